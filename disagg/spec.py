@@ -1,0 +1,385 @@
+"""Deployment spec: one YAML file describes the model, the roles and how KV moves between them.
+
+Validation happens in two passes, both before any work starts:
+1. the JSON schema (types, ranges, unknown keys), and
+2. cross-field checks against the model's `config.json` (TP divides the KV heads, limits fit the
+   model's context, roles do not share devices).
+Every failure is a `SpecError` whose message starts with the dotted key path, e.g.
+`roles.decode.tp: 3 does not divide num_key_value_heads=4`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+ROLES = ("prefill", "decode", "aggregated")
+BACKENDS = ("reference", "tensorrt_llm")
+KV_TRANSFER_BACKENDS = ("shm", "tcp", "ucx", "nixl", "mpi")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class SpecError(ValueError):
+    """A deployment spec is invalid; `path` is the dotted key path the message starts with."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}" if path else reason)
+
+
+_ROLE_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["max_batch_size", "max_input_len", "max_seq_len"],
+    "properties": {
+        "tp": {"type": "integer", "minimum": 1, "maximum": 64},
+        "pp": {"type": "integer", "minimum": 1, "maximum": 64},
+        "instances": {"type": "integer", "minimum": 1, "maximum": 64},
+        "node": {"type": "string", "minLength": 1},
+        "devices": {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        },
+        "max_batch_size": {"type": "integer", "minimum": 1, "maximum": 4096},
+        "max_input_len": {"type": "integer", "minimum": 1},
+        "max_seq_len": {"type": "integer", "minimum": 2},
+        "max_num_tokens": {"type": "integer", "minimum": 1},
+        "tokens_per_block": {"type": "integer", "minimum": 1, "maximum": 1024},
+        "kv_cache_blocks": {"type": "integer", "minimum": 1},
+        "kv_cache_free_gpu_mem_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "enable_kv_cache_reuse": {"type": "boolean"},
+        "batch_scheduler_policy": {"enum": ["max_utilization", "guaranteed_no_evict"]},
+    },
+}
+
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "backend", "model", "roles"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
+        "backend": {"enum": list(BACKENDS)},
+        "model": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["path"],
+            "properties": {
+                "path": {"type": "string", "minLength": 1},
+                "dtype": {"enum": list(DTYPES)},
+                "generate": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["preset"],
+                    "properties": {
+                        "preset": {"type": "string"},
+                        "seed": {"type": "integer", "minimum": 0},
+                    },
+                },
+            },
+        },
+        "roles": {
+            "type": "object",
+            "additionalProperties": False,
+            "minProperties": 1,
+            "properties": {role: _ROLE_SCHEMA for role in ROLES},
+        },
+        "kv_transfer": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "backend": {"enum": list(KV_TRANSFER_BACKENDS)},
+                "lease_seconds": {"type": "number", "exclusiveMinimum": 0},
+                "bind_address": {"type": "string"},
+                "nvlink": {"type": "boolean"},
+            },
+        },
+        "orchestrator": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "instances": {"type": "integer", "minimum": 1},
+                "max_in_flight": {"type": "integer", "minimum": 1},
+                "prefill_timeout_s": {"type": "number", "exclusiveMinimum": 0},
+                "decode_timeout_s": {"type": "number", "exclusiveMinimum": 0},
+            },
+        },
+        "output": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "build_dir": {"type": "string", "minLength": 1},
+                "model_repository": {"type": "string", "minLength": 1},
+            },
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """Limits and sharding of one role; the engine for it is built to exactly these numbers."""
+
+    name: str
+    tp: int
+    pp: int
+    instances: int
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    tokens_per_block: int
+    kv_cache_blocks: int
+    devices: tuple[tuple[int, ...], ...] = ()
+    node: str = "localhost"
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    enable_kv_cache_reuse: bool = False
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def max_output_len(self) -> int:
+        """Most new tokens a request may ask for: the sequence must still fit after a 1-token prompt."""
+        return self.max_seq_len - 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: Path
+    dtype: str = "float32"
+    generate_preset: str | None = None
+    generate_seed: int = 0
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    backend: str = "shm"
+    lease_seconds: float = 30.0
+    bind_address: str = "127.0.0.1"
+    nvlink: bool = True
+
+
+@dataclass(frozen=True)
+class OrchestratorSpec:
+    instances: int = 1
+    max_in_flight: int = 64
+    prefill_timeout_s: float = 30.0
+    decode_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    name: str
+    backend: str
+    model: ModelSpec
+    roles: dict[str, RoleSpec]
+    kv_transfer: KVTransferSpec = field(default_factory=KVTransferSpec)
+    orchestrator: OrchestratorSpec = field(default_factory=OrchestratorSpec)
+    build_dir: Path = Path("build")
+    model_repository: Path = Path("model_repository")
+    source: Path | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return "prefill" in self.roles and "decode" in self.roles
+
+
+def _error_path(err: jsonschema.ValidationError) -> tuple[str, str]:
+    path = ".".join(str(p) for p in err.absolute_path)
+    if err.validator == "additionalProperties":
+        extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
+        allowed = ", ".join(sorted(err.schema.get("properties", {})))
+        key = f"{path}.{extra[0]}" if path else extra[0]
+        return key, f"unknown key (allowed here: {allowed})"
+    if err.validator == "required":
+        missing = err.message.split("'")[1]
+        return (f"{path}.{missing}" if path else missing), "required key is missing"
+    return path, err.message
+
+
+def _check_schema(raw: object) -> None:
+    validator = jsonschema.Draft202012Validator(SCHEMA)
+    errors = sorted(validator.iter_errors(raw), key=lambda e: (len(e.absolute_path), e.message))
+    if errors:
+        raise SpecError(*_error_path(errors[0]))
+
+
+def _role_from_raw(name: str, raw: dict) -> RoleSpec:
+    tokens_per_block = raw.get("tokens_per_block", 16)
+    max_batch_size = raw["max_batch_size"]
+    default_blocks = max_batch_size * -(-raw["max_seq_len"] // tokens_per_block)
+    return RoleSpec(
+        name=name,
+        tp=raw.get("tp", 1),
+        pp=raw.get("pp", 1),
+        instances=raw.get("instances", 1),
+        max_batch_size=max_batch_size,
+        max_input_len=raw["max_input_len"],
+        max_seq_len=raw["max_seq_len"],
+        max_num_tokens=raw.get("max_num_tokens", max(raw["max_input_len"], max_batch_size)),
+        tokens_per_block=tokens_per_block,
+        kv_cache_blocks=raw.get("kv_cache_blocks", default_blocks),
+        devices=tuple(tuple(d) for d in raw.get("devices", ())),
+        node=raw.get("node", "localhost"),
+        kv_cache_free_gpu_mem_fraction=raw.get("kv_cache_free_gpu_mem_fraction", 0.9),
+        enable_kv_cache_reuse=raw.get("enable_kv_cache_reuse", False),
+        batch_scheduler_policy=raw.get("batch_scheduler_policy", "guaranteed_no_evict"),
+    )
+
+
+def _check_role(role: RoleSpec, backend: str) -> None:
+    at = f"roles.{role.name}"
+    tpb = role.tokens_per_block
+    if tpb & (tpb - 1):
+        raise SpecError(f"{at}.tokens_per_block", f"{tpb} is not a power of 2")
+    if role.max_input_len >= role.max_seq_len:
+        raise SpecError(
+            f"{at}.max_input_len",
+            f"{role.max_input_len} must be below max_seq_len={role.max_seq_len} (room for at least one output token)",
+        )
+    if role.name != "decode" and role.max_num_tokens < role.max_input_len:
+        raise SpecError(
+            f"{at}.max_num_tokens",
+            f"{role.max_num_tokens} is below max_input_len={role.max_input_len}: a full prompt would not fit one step",
+        )
+    per_seq = -(-role.max_seq_len // tpb)
+    if role.kv_cache_blocks < per_seq:
+        raise SpecError(
+            f"{at}.kv_cache_blocks",
+            f"{role.kv_cache_blocks} blocks of {tpb} tokens cannot hold one sequence of max_seq_len={role.max_seq_len} (needs {per_seq})",
+        )
+    if backend == "tensorrt_llm" and not role.devices:
+        raise SpecError(f"{at}.devices", "required with backend tensorrt_llm (one list of GPU ids per instance)")
+    if role.devices:
+        if len(role.devices) != role.instances:
+            raise SpecError(f"{at}.devices", f"{len(role.devices)} device lists for instances={role.instances}")
+        for i, devs in enumerate(role.devices):
+            if len(devs) != role.world_size:
+                raise SpecError(
+                    f"{at}.devices.{i}",
+                    f"{len(devs)} devices {list(devs)} but tp*pp = {role.tp}*{role.pp} = {role.world_size}",
+                )
+            if len(set(devs)) != len(devs):
+                raise SpecError(f"{at}.devices.{i}", f"device listed twice in {list(devs)}")
+
+
+def check_against_model(spec: DeploymentSpec, model_config: dict) -> None:
+    """Cross-checks that need the model's `config.json` (a dict in Hugging Face's Llama format)."""
+    kv_heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
+    heads = model_config["num_attention_heads"]
+    layers = model_config["num_hidden_layers"]
+    inter = model_config["intermediate_size"]
+    max_pos = model_config.get("max_position_embeddings")
+    for role in spec.roles.values():
+        at = f"roles.{role.name}"
+        if kv_heads % role.tp:
+            raise SpecError(f"{at}.tp", f"{role.tp} does not divide num_key_value_heads={kv_heads}")
+        if heads % role.tp:
+            raise SpecError(f"{at}.tp", f"{role.tp} does not divide num_attention_heads={heads}")
+        if inter % role.tp:
+            raise SpecError(f"{at}.tp", f"{role.tp} does not divide intermediate_size={inter}")
+        if role.pp > layers:
+            raise SpecError(f"{at}.pp", f"{role.pp} is more pipeline stages than num_hidden_layers={layers}")
+        if max_pos is not None:
+            if role.max_input_len > max_pos:
+                raise SpecError(
+                    f"{at}.max_input_len", f"{role.max_input_len} exceeds the model's max_position_embeddings={max_pos}"
+                )
+            if role.max_seq_len > max_pos:
+                raise SpecError(
+                    f"{at}.max_seq_len", f"{role.max_seq_len} exceeds the model's max_position_embeddings={max_pos}"
+                )
+
+
+def _check_cross_role(spec: DeploymentSpec) -> None:
+    if ("prefill" in spec.roles) != ("decode" in spec.roles):
+        missing = "decode" if "prefill" in spec.roles else "prefill"
+        raise SpecError(f"roles.{missing}", "required: prefill and decode come as a pair")
+    if spec.disaggregated:
+        prefill, decode = spec.roles["prefill"], spec.roles["decode"]
+        if decode.max_input_len < prefill.max_input_len:
+            raise SpecError(
+                "roles.decode.max_input_len",
+                f"{decode.max_input_len} is below roles.prefill.max_input_len={prefill.max_input_len}: "
+                "decode could not import every prompt prefill accepts",
+            )
+    owner: dict[tuple[str, int], str] = {}
+    for role in spec.roles.values():
+        for i, devs in enumerate(role.devices):
+            for dev in devs:
+                key = (role.node, dev)
+                if key in owner and owner[key] != role.name:
+                    raise SpecError(
+                        f"roles.{role.name}.devices.{i}",
+                        f"GPU {dev} on node {role.node!r} is already used by roles.{owner[key]}",
+                    )
+                owner[key] = role.name
+
+
+def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
+    """Validates a parsed YAML document and returns the typed spec (no model checks)."""
+    if not isinstance(raw, dict):
+        raise SpecError("", "a deployment spec must be a YAML mapping")
+    _check_schema(raw)
+    model = raw["model"]
+    gen = model.get("generate")
+    roles = {name: _role_from_raw(name, r) for name, r in raw["roles"].items()}
+    out = raw.get("output", {})
+    spec = DeploymentSpec(
+        name=raw["name"],
+        backend=raw["backend"],
+        model=ModelSpec(
+            path=Path(model["path"]),
+            dtype=model.get("dtype", "float32"),
+            generate_preset=gen["preset"] if gen else None,
+            generate_seed=gen.get("seed", 0) if gen else 0,
+        ),
+        roles=roles,
+        kv_transfer=KVTransferSpec(**raw.get("kv_transfer", {})),
+        orchestrator=OrchestratorSpec(**raw.get("orchestrator", {})),
+        build_dir=Path(out.get("build_dir", "build")),
+        model_repository=Path(out.get("model_repository", "model_repository")),
+        source=source,
+    )
+    for role in roles.values():
+        _check_role(role, spec.backend)
+    _check_cross_role(spec)
+    if spec.backend == "reference" and spec.model.dtype != "float32":
+        raise SpecError("model.dtype", f"{spec.model.dtype!r}: the reference engine computes in float32 only")
+    return spec
+
+
+def model_config_for(spec: DeploymentSpec) -> dict:
+    """The model's config.json: read from the checkpoint, or from the preset it will be generated from."""
+    from disagg.checkpoint import PRESETS
+
+    config_path = spec.model.path / "config.json"
+    if config_path.is_file():
+        return json.loads(config_path.read_text())
+    if spec.model.generate_preset is None:
+        raise SpecError("model.path", f"{spec.model.path} has no config.json and model.generate is not set")
+    if spec.model.generate_preset not in PRESETS:
+        raise SpecError(
+            "model.generate.preset", f"unknown preset {spec.model.generate_preset!r} (known: {', '.join(PRESETS)})"
+        )
+    return PRESETS[spec.model.generate_preset].hf_config()
+
+
+def load_spec(path: str | Path) -> DeploymentSpec:
+    """Reads, schema-checks and model-checks a spec file. Raises SpecError on the first problem."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError("", f"{path} is not valid YAML: {exc}") from exc
+    except OSError as exc:
+        raise SpecError("", f"cannot read {path}: {exc.strerror}") from exc
+    spec = parse_spec(raw, source=path)
+    check_against_model(spec, model_config_for(spec))
+    return spec
