@@ -1,0 +1,92 @@
+"""`build-engines`: validate a deployment spec, build one engine set per role, render the model repository.
+
+    build-engines --config configs/cpu-tiny.yaml            # build what changed, render the repository
+    build-engines --config X --only decode --force          # rebuild one role
+    build-engines --config X --dry-run                      # print the build commands, run nothing
+    build-engines plan --config X                           # GPU placement table and checks
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from disagg.build.manifest import Manifest
+from disagg.spec import ROLES, DeploymentSpec, SpecError, load_spec
+
+
+def _backend(spec: DeploymentSpec):
+    if spec.backend == "tensorrt_llm":
+        from disagg.trtllm import build
+    else:
+        from disagg.build import reference as build
+    return build
+
+
+def build(spec: DeploymentSpec, only: list[str] | None = None, force: bool = False, render: bool = True, log=print) -> list[str]:
+    """Builds the spec's roles (or `only` those) and renders the repository; returns the roles rebuilt."""
+    roles = only or list(spec.roles)
+    backend = _backend(spec)
+    if spec.backend == "tensorrt_llm":
+        rebuilt = backend.build_roles(spec, roles, force)
+    else:
+        rebuilt = backend.build_roles(spec, roles, Manifest(spec.build_dir / "manifest.json"), force, log)
+    if render:
+        from disagg.render import render_repository
+
+        changed = render_repository(spec, spec.model_repository)
+        log(f"model repository {spec.model_repository}: " + (f"{len(changed)} files written" if changed else "up to date"))
+    if not rebuilt:
+        log("nothing to rebuild: every engine is up to date")
+    return rebuilt
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, type=Path, help="deployment spec (YAML)")
+    return p
+
+
+def _plan(argv: list[str]) -> int:
+    args = _parser("build-engines plan").parse_args(argv)
+    from disagg.placement.inventory import inventory, no_driver_reason
+    from disagg.placement.plan import format_plan, make_plan
+
+    spec = load_spec(args.config)
+    inv = inventory()
+    if inv is None:
+        print(f"{no_driver_reason()}; checking everything that needs no GPU")
+    print(format_plan(make_plan(spec, inv)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] == ["plan"]:
+            return _plan(argv[1:])
+        parser = _parser("build-engines")
+        parser.add_argument("--only", action="append", choices=ROLES, help="build only this role (repeatable)")
+        parser.add_argument("--force", action="store_true", help="rebuild even when the manifest says up to date")
+        parser.add_argument("--dry-run", action="store_true", help="print the build commands and exit")
+        parser.add_argument("--no-render", action="store_true", help="skip rendering the model repository")
+        args = parser.parse_args(argv)
+        spec = load_spec(args.config)
+        missing = [r for r in args.only or [] if r not in spec.roles]
+        if missing:
+            raise SpecError(f"roles.{missing[0]}", f"--only {missing[0]}: the spec has no such role")
+        if args.dry_run:
+            print("\n".join(_backend(spec).dry_run_lines(spec, args.only or list(spec.roles))))
+            return 0
+        build(spec, args.only, args.force, render=not args.no_render)
+        return 0
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

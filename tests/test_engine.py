@@ -1,0 +1,171 @@
+"""Reference engine oracles: disaggregated == aggregated, sharded == unsharded, batched == alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import LIMITS, EngineFactory
+
+from disagg.engine.engine import ContextPhase, Request, RequestError
+from disagg.engine.kv_cache import KVCacheFullError
+from disagg.engine.kv_wire import SequenceKV
+from disagg.engine.sampling import SamplingParams
+
+GRID = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def factory(tmp_path_factory) -> EngineFactory:
+    return EngineFactory(tmp_path_factory.mktemp("engines"))
+
+
+def prompts(n: int, vocab: int = 512, seed: int = 7) -> list[tuple[int, ...]]:
+    """Varied lengths: 1 token, under a block, exactly a block, over a block, several blocks, the limit."""
+    rng = np.random.default_rng(seed)
+    lengths = [1, 5, 15, 16, 17, 31, 33, 48, 64, 100, 127, 128, 129, 150, 200, 255, LIMITS.max_input_len]
+    lengths += list(rng.integers(2, 120, size=max(0, n - len(lengths))))
+    return [tuple(int(t) for t in rng.integers(2, vocab, size=n_tok)) for n_tok in lengths[:n]]
+
+
+def disaggregated(prefill, decode, req_id, prompt, max_new, sampling=SamplingParams(), end_id=None, wire=True):
+    """context_only on `prefill`, KV through the wire format, generation_only on `decode`."""
+    first = prefill.generate([Request(req_id, prompt, max_new, "context_only", sampling, end_id)])[req_id]
+    if not first:
+        return []
+    kv = prefill.export_kv(req_id)
+    if wire:
+        kv = SequenceKV.from_bytes(kv.to_bytes())
+    assert prefill.release(req_id)
+    ctx = ContextPhase(first[0], kv)
+    rest = decode.generate([Request(req_id, prompt, max_new, "generation_only", sampling, end_id, ctx)])[req_id]
+    return first + rest
+
+
+def test_disaggregated_equals_aggregated_for_20_prompts(factory):
+    agg, prefill, decode = factory.engine(), factory.engine(role="prefill"), factory.engine(role="decode")
+    ps = prompts(22)
+    assert max(map(len, ps)) == LIMITS.max_input_len and any(len(p) > LIMITS.tokens_per_block for p in ps)
+    for i, p in enumerate(ps):
+        max_new = min(24, LIMITS.max_seq_len - len(p))
+        expected = agg.generate([Request(f"a{i}", p, max_new)])[f"a{i}"]
+        assert len(expected) == max_new
+        assert disaggregated(prefill, decode, f"d{i}", p, max_new) == expected, f"prompt {i} ({len(p)} tokens)"
+    for engine in (agg, prefill, decode):
+        assert engine.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("prefill_tp_pp", GRID, ids=lambda g: f"prefill-tp{g[0]}pp{g[1]}")
+def test_sharded_roles_equal_unsharded(factory, prefill_tp_pp):
+    agg = factory.engine()
+    prefill = factory.engine(*prefill_tp_pp, role="prefill")
+    ps = prompts(3, seed=11)
+    expected = {i: agg.generate([Request(f"a{i}", p, 12)])[f"a{i}"] for i, p in enumerate(ps)}
+    for tp_pp in GRID:
+        decode = factory.engine(*tp_pp, role="decode")
+        for i, p in enumerate(ps):
+            got = disaggregated(prefill, decode, f"{tp_pp}-{i}", p, 12)
+            assert got == expected[i], f"prefill tp/pp {prefill_tp_pp} -> decode tp/pp {tp_pp}, prompt {i}"
+        assert decode.blocks.num_used == 0
+    for tp_pp in GRID:  # and aggregated engines of every sharding
+        sharded = factory.engine(*tp_pp)
+        assert sharded.generate([Request("s", ps[0], 12)])["s"] == expected[0], f"aggregated tp/pp {tp_pp}"
+
+
+def test_batched_decode_equals_each_alone(factory):
+    engine = factory.engine()
+    ps = prompts(9, seed=3)[1:9]
+    assert len({len(p) for p in ps}) == 8
+    alone = {f"r{i}": engine.generate([Request(f"r{i}", p, 10 + i)])[f"r{i}"] for i, p in enumerate(ps)}
+    batched = engine.generate([Request(f"r{i}", p, 10 + i) for i, p in enumerate(ps)])
+    assert batched == alone
+    assert engine.blocks.num_used == 0
+
+
+def test_in_flight_batching_admits_new_requests_mid_decode(factory):
+    engine = factory.engine()
+    p1, p2 = prompts(3, seed=5)[1:3]
+    alone = engine.generate([Request("b", p2, 6)])["b"]
+    engine.add_request(Request("a", p1, 20))
+    for _ in range(5):
+        engine.step()
+    engine.add_request(Request("b", p2, 6))
+    tokens = []
+    while engine.has_work():
+        tokens += [o.token for o in engine.step() if o.req_id == "b" and o.token is not None]
+    assert tokens == alone
+
+
+def test_seeded_sampling_is_reproducible_and_splits_across_roles(factory):
+    agg, prefill, decode = factory.engine(), factory.engine(role="prefill"), factory.engine(2, 1, role="decode")
+    p = prompts(5, seed=9)[4]
+    s1 = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+    a = agg.generate([Request("x", p, 16, sampling=s1)])["x"]
+    assert a == agg.generate([Request("y", p, 16, sampling=s1)])["y"]
+    assert disaggregated(prefill, decode, "z", p, 16, sampling=s1) == a
+    other = agg.generate([Request("w", p, 16, sampling=SamplingParams(0.9, 40, 0.95, seed=99))])["w"]
+    assert other != a
+    greedy = agg.generate([Request("g", p, 16)])["g"]
+    assert a != greedy
+
+
+def test_end_id_stops_generation(factory):
+    engine = factory.engine()
+    p = prompts(5, seed=1)[3]
+    full = engine.generate([Request("f", p, 12)])["f"]
+    stop = full[4]
+    cut = engine.generate([Request("e", p, 12, end_id=stop)])["e"]
+    assert cut == full[: full.index(stop)]
+    assert engine.blocks.num_used == 0
+
+
+def test_kv_pool_returns_to_zero_after_aborts(factory):
+    engine = factory.engine(limits=LIMITS)
+    ps = prompts(6, seed=2)
+    for i, p in enumerate(ps):
+        engine.add_request(Request(f"q{i}", p, 30, "context_only" if i == 0 else "context_and_generation"))
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_used > 0
+    assert "q0" in engine.held
+    for i in range(len(ps)):
+        assert engine.abort(f"q{i}")
+    assert not engine.abort("q0")
+    assert engine.blocks.num_used == 0 and not engine.has_work()
+
+
+def test_waiting_requests_queue_until_blocks_free(factory):
+    from disagg.engine.config import BuildConfig
+
+    small = BuildConfig(16, 256, 320, 1024, 16, kv_cache_blocks=20)  # 320 tokens: exactly one full-length sequence
+    engine = factory.engine(limits=small)
+    p = prompts(2, seed=4)[1]
+    engine.add_request(Request("big", p, 320 - len(p)))
+    engine.add_request(Request("next", p, 4))
+    engine.step()
+    assert [s.req_id for s in engine.waiting] == ["next"]
+    with pytest.raises(KVCacheFullError, match=r"needs 1 blocks for 5 tokens, 0 of 20 free"):
+        engine.blocks.allocate("x", 5)
+    while engine.has_work():
+        engine.step()
+    assert engine.blocks.num_used == 0
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, message",
+    [
+        (dict(prompt_ids=()), "input_ids: empty prompt"),
+        (dict(prompt_ids=(5,) * 257), "input_ids: prompt is 257 tokens, over the limit max_input_len=256"),
+        (dict(prompt_ids=(5, 9999)), r"input_ids: token id 9999 outside the vocabulary \[0, 512\)"),
+        (dict(max_new_tokens=0), "request_output_len: 0 must be >= 1"),
+        (dict(max_new_tokens=400), "request_output_len: prompt 3 \\+ 400 new tokens is over the limit max_seq_len=320"),
+        (dict(request_type="context"), "request_type: 'context' is not one of"),
+        (dict(request_type="generation_only"), "context_phase_params: required for a generation_only request"),
+        (dict(sampling=SamplingParams(top_p=1.5)), r"runtime_top_p: 1.5 must be in \[0, 1\]"),
+        (dict(end_id=-1), "end_id: -1 outside the vocabulary"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_field_named(factory, request_kwargs, message):
+    engine = factory.engine()
+    req = dict(req_id="bad", prompt_ids=(5, 6, 7), max_new_tokens=4) | request_kwargs
+    with pytest.raises(RequestError, match=message):
+        engine.add_request(Request(**req))
+    assert not engine.has_work() and engine.blocks.num_used == 0
