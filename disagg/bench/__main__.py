@@ -1,0 +1,20 @@
+"""python -m disagg.bench {engine,serving} [options]"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m disagg.bench", description=__doc__)
+    parser.add_argument("which", choices=["engine", "serving"], help="engine: prefill/decode throughput vs roofline; serving: orchestration overhead and KV handoff bandwidth")
+    args, rest = parser.parse_known_args(argv)
+    if args.which == "engine":
+        from disagg.bench.engine import main as run
+    else:
+        from disagg.bench.serving import main as run
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
