@@ -49,14 +49,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def _plan(argv: list[str]) -> int:
     args = _parser("build-engines plan").parse_args(argv)
-    from disagg.placement.inventory import inventory, no_driver_reason
+    from disagg.placement.inventory import inventory
     from disagg.placement.plan import format_plan, make_plan
 
-    spec = load_spec(args.config)
-    inv = inventory()
-    if inv is None:
-        print(f"{no_driver_reason()}; checking everything that needs no GPU")
-    print(format_plan(make_plan(spec, inv)))
+    print(format_plan(make_plan(load_spec(args.config), inventory())))
     return 0
 
 
