@@ -169,3 +169,10 @@ def test_bad_requests_are_refused_with_the_field_named(factory, request_kwargs, 
     with pytest.raises(RequestError, match=message):
         engine.add_request(Request(**req))
     assert not engine.has_work() and engine.blocks.num_used == 0
+
+
+def test_context_only_that_already_finished_keeps_no_kv(factory):
+    prefill = factory.engine(role="prefill")
+    p = prompts(3, seed=8)[2]
+    assert len(prefill.generate([Request("one", p, 1, "context_only")])["one"]) == 1
+    assert not prefill.held and prefill.blocks.num_used == 0

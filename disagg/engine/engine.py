@@ -3,7 +3,8 @@
 Request types follow TensorRT-LLM:
 - `context_and_generation`: prefill the prompt, then decode until a stop condition.
 - `context_only`: prefill, sample the first token, then keep the prompt's KV blocks (status HELD)
-  until `release` (the transfer agent calls it once decode has pulled them).
+  until `release` (the transfer agent calls it once decode has pulled them). When that first token
+  already ends the request (end_id, or max_new_tokens=1) nothing is kept.
 - `generation_only`: import a prompt's KV (from any TP/PP sharding) plus the first token that the
   context phase already produced, and continue decoding; that first token is not emitted again.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -85,11 +87,13 @@ class StepOutput:
     req_id: str
     token: int | None
     finished: bool
-    finish_reason: str | None = None  # "length" | "end_id" | "context_done"
+    finish_reason: str | None = None  # "length" | "end_id" | "context_done" | "error"
+    error: str | None = None
 
 
 class LLMEngine:
-    def __init__(self, engine_dir: str | Path, kv_buffer=None):
+    def __init__(self, engine_dir: str | Path, kv_buffer: Callable[[int], object] | None = None):
+        """`kv_buffer(nbytes)` supplies the KV pool's memory (e.g. shared memory a decode engine reads)."""
         self.config = EngineConfig.load(engine_dir)
         cfg, m, b = self.config.model, self.config.mapping, self.config.build
         stages = m.stage_layers(cfg.num_hidden_layers)
@@ -97,7 +101,7 @@ class LLMEngine:
             KVShape(len(stages[r // m.tp_size]), b.kv_cache_blocks, b.tokens_per_block, cfg.num_key_value_heads // m.tp_size, cfg.head_dim)
             for r in range(m.world_size)
         ]
-        self.kv = KVStorage(shapes, kv_buffer)
+        self.kv = KVStorage(shapes, kv_buffer(sum(s.nbytes for s in shapes)) if kv_buffer else None)
         self.blocks = BlockManager(b.kv_cache_blocks, b.tokens_per_block)
         self.model = LlamaModel(self.config, [read_rank(engine_dir, r) for r in range(m.world_size)], self.kv)
         self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, b.tokens_per_block, m.tp_size, m.pp_size)
@@ -258,7 +262,7 @@ class LLMEngine:
         seq.num_generated += 1
         seq.first_token_ns = seq.first_token_ns or now
         seq.last_token_ns = now
-        if req.request_type == "context_only":
+        if req.request_type == "context_only" and seq.num_generated < req.max_new_tokens:
             del self.running[seq.req_id]
             seq.status = Status.HELD
             self.held[seq.req_id] = seq

@@ -1,0 +1,115 @@
+"""Runs an `LLMEngine` on a background thread so a Triton model can submit requests and stream results.
+
+Callers never touch the engine directly: `submit`, `abort` and `release` take the lock, and the loop
+thread calls each request's `on_output(StepOutput)` after every step (outside the lock), so a slow
+response sender never blocks the engine. A callback that raises aborts its request: the KV is freed.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from disagg.engine.engine import LLMEngine, Request, StepOutput
+
+OnOutput = Callable[[StepOutput], None]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent snapshot for metrics and load-based routing."""
+
+    waiting: int
+    running: int
+    held: int
+    blocks_used: int
+    blocks_total: int
+
+    @property
+    def in_flight(self) -> int:
+        return self.waiting + self.running
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[EngineStats], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._callbacks: dict[str, OnOutput] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request, on_output: OnOutput) -> None:
+        """Validates and queues; raises RequestError (nothing queued) for a bad request."""
+        with self._lock:
+            self.engine.add_request(request)
+            self._callbacks[request.req_id] = on_output
+            self._wake.notify()
+
+    def abort(self, req_id: str) -> bool:
+        """Cancels a request wherever it is; its callback is not called again."""
+        with self._lock:
+            self._callbacks.pop(req_id, None)
+            return self.engine.abort(req_id)
+
+    def release(self, req_id: str) -> bool:
+        with self._lock:
+            return self.engine.release(req_id)
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Runs fn(engine) under the engine lock (exporting KV, reading tables)."""
+        with self._lock:
+            return fn(self.engine)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> EngineStats:
+        e = self.engine
+        return EngineStats(len(e.waiting), len(e.running), len(e.held), e.blocks.num_used, e.blocks.num_blocks)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Aborts everything in flight and joins the thread (Triton's finalize)."""
+        with self._lock:
+            self._stopping = True
+            for req_id in list(self._callbacks):
+                self.engine.abort(req_id)
+            self._callbacks.clear()
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _step(self) -> list[StepOutput]:
+        """One engine step; if it fails, every request in flight is aborted and told why."""
+        try:
+            return self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - reported to every request, then the loop goes on
+            failed = list(self._callbacks)
+            for req_id in failed:
+                self.engine.abort(req_id)
+            return [StepOutput(r, None, True, "error", f"engine step failed: {exc!r}") for r in failed]
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.engine.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                outputs = self._step()
+                deliveries = [(self._callbacks.get(o.req_id), o) for o in outputs]
+                for o in outputs:
+                    if o.finished:
+                        self._callbacks.pop(o.req_id, None)
+                stats = self._stats()
+            for callback, output in deliveries:
+                if callback is None:
+                    continue
+                try:
+                    callback(output)
+                except Exception:  # noqa: BLE001 - a broken sender must not stop other requests
+                    self.abort(output.req_id)
+            if self.on_step is not None:
+                self.on_step(stats)

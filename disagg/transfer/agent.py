@@ -1,0 +1,118 @@
+"""The prefill side of the handoff: holds finished context-phase KV until decode has pulled it.
+
+One agent per prefill model instance listens on a loopback TCP port (another address only when the
+spec says so) and authenticates peers with a per-process token (`multiprocessing.connection`'s HMAC
+challenge). Messages are JSON, never pickles:
+
+    {"op": "claim", "id": ...}  -> the lease is extended while decode copies (shm) ...
+    {"op": "fetch", "id": ...}  -> ... or the agent sends the KV wire bytes (tcp)
+    {"op": "ack",   "id": ...}  -> blocks freed
+A handoff nobody acknowledges is reclaimed when its lease expires, so a crashed decode or an
+orchestrator that gave up never leaks prefill blocks.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from multiprocessing.connection import Connection, Listener
+
+from disagg.engine.loop import EngineLoop
+from disagg.transfer.params import ContextPhaseParams
+
+
+class TransferAgent:
+    def __init__(self, loop: EngineLoop, transport: str, shm_name: str = "", bind: str = "127.0.0.1", lease_s: float = 30.0):
+        self.loop = loop
+        self.transport = transport
+        self.shm_name = shm_name
+        self.lease_s = lease_s
+        self.token = secrets.token_hex(16)
+        self._listener = Listener((bind, 0), authkey=self.token.encode())
+        host, port = self._listener.address
+        self.address = f"{host}:{port}"
+        self._leases: dict[str, float] = {}  # request id -> deadline (monotonic)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.reclaimed = 0  # handoffs freed by lease expiry, for metrics
+        threading.Thread(target=self._accept, name="kv-agent-accept", daemon=True).start()
+        threading.Thread(target=self._reap, name="kv-agent-lease", daemon=True).start()
+
+    def hold(self, req_id: str, first_token: int) -> ContextPhaseParams:
+        """Starts the lease of a finished context-only sequence and describes it for decode."""
+        def describe(engine):
+            seq = engine.held[req_id]
+            return tuple(seq.block_table), seq.num_cached, engine.blocks.num_blocks, engine.layout
+
+        block_ids, prompt_len, num_blocks, layout = self.loop.call(describe)
+        with self._lock:
+            self._leases[req_id] = time.monotonic() + self.lease_s
+        return ContextPhaseParams(
+            request_id=req_id,
+            first_token=first_token,
+            prompt_len=prompt_len,
+            agent=self.address,
+            token=self.token,
+            transport=self.transport,
+            shm_name=self.shm_name,
+            block_ids=block_ids,
+            num_blocks=num_blocks,
+            layout=layout,
+        )
+
+    def drop(self, req_id: str) -> bool:
+        """Frees a held handoff now (acknowledged, cancelled, or no decode needed)."""
+        with self._lock:
+            self._leases.pop(req_id, None)
+        return self.loop.release(req_id)
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except Exception:  # noqa: BLE001 - failed handshakes (wrong token) and close() land here
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kv-agent-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        with conn:
+            while not self._closed.is_set():
+                try:
+                    msg = json.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    return
+                req_id = msg.get("id", "")
+                with self._lock:
+                    known = req_id in self._leases
+                    if known and msg.get("op") == "claim":
+                        self._leases[req_id] = time.monotonic() + self.lease_s
+                if not known:
+                    conn.send_bytes(json.dumps({"ok": False, "error": f"handoff {req_id!r} is not held here (already consumed, or its lease expired)"}).encode())
+                elif msg.get("op") == "fetch":
+                    payload = self.loop.call(lambda e: e.export_kv(req_id).to_bytes())
+                    conn.send_bytes(json.dumps({"ok": True, "nbytes": len(payload)}).encode())
+                    conn.send_bytes(payload)
+                elif msg.get("op") == "ack":
+                    self.drop(req_id)
+                    conn.send_bytes(b'{"ok": true}')
+                else:
+                    conn.send_bytes(b'{"ok": true}')
+
+    def _reap(self) -> None:
+        while not self._closed.wait(min(1.0, self.lease_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                expired = [r for r, deadline in self._leases.items() if deadline < now]
+            for req_id in expired:
+                if self.drop(req_id):
+                    self.reclaimed += 1

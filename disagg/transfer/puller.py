@@ -1,0 +1,116 @@
+"""The decode side of the handoff: reads the blocks named by `context_phase_params` and acknowledges.
+
+Same node (`shm`): the prefill instance's KV pool is a shared-memory segment; the puller maps it
+read-only by name and gathers the sequence's tokens straight from the named blocks. Across nodes
+(`tcp`): the agent sends the KV wire format. Either way the result is a `SequenceKV` in the prefill
+engine's sharding, which the decode engine re-shards on import.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.connection import Client, Connection
+
+import numpy as np
+
+from disagg.engine.kv_cache import KVShape, KVStorage
+from disagg.engine.kv_wire import SequenceKV
+from disagg.transfer.params import ContextParamsError, ContextPhaseParams
+
+
+@dataclass(frozen=True)
+class PullResult:
+    kv: SequenceKV
+    nbytes: int
+    seconds: float
+
+
+class KVPuller:
+    def __init__(self, timeout_s: float = 10.0):
+        self.timeout_s = timeout_s
+        self._conns: dict[tuple[str, str], Connection] = {}
+        self._segments: dict[str, shared_memory.SharedMemory] = {}
+        self._lock = threading.Lock()
+
+    def pull(self, params: ContextPhaseParams) -> PullResult:
+        """Copies the handoff's KV out of the prefill instance, then acknowledges it (its blocks are freed)."""
+        start = time.perf_counter()
+        self._call(params, "claim")
+        if params.transport == "shm":
+            kv = self._read_shm(params)
+        else:
+            payload = self._call(params, "fetch", expect_payload=True)
+            kv = SequenceKV.from_bytes(payload)
+        self._call(params, "ack")
+        nbytes = sum(s.nbytes for s in kv.shards)
+        return PullResult(kv, nbytes, time.perf_counter() - start)
+
+    def _read_shm(self, p: ContextPhaseParams) -> SequenceKV:
+        lay = p.layout
+        stages = lay.mapping.stage_layers(lay.num_layers)
+        shapes = [
+            KVShape(len(stages[r // lay.tp_size]), p.num_blocks, lay.tokens_per_block, lay.num_kv_heads // lay.tp_size, lay.head_dim)
+            for r in range(lay.tp_size * lay.pp_size)
+        ]
+        pool = KVStorage(shapes, self._segment(p.shm_name).buf)
+        shards = tuple(np.array(pool.gather(r, list(p.block_ids), p.prompt_len)) for r in range(len(shapes)))
+        return SequenceKV(lay, p.prompt_len, shards)
+
+    def _segment(self, name: str) -> shared_memory.SharedMemory:
+        with self._lock:
+            seg = self._segments.get(name)
+            if seg is None:
+                try:
+                    seg = shared_memory.SharedMemory(name=name)
+                except FileNotFoundError:
+                    raise ContextParamsError(f"context_phase_params: shared memory segment {name!r} does not exist") from None
+                # Attaching must not make this process the segment's owner: the prefill instance unlinks it.
+                resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
+                self._segments[name] = seg
+            return seg
+
+    def _call(self, p: ContextPhaseParams, op: str, expect_payload: bool = False):
+        key = (p.agent, p.token)
+        with self._lock:
+            conn = self._conns.get(key)
+            if conn is None:
+                conn = self._connect(p)
+                self._conns[key] = conn
+            try:
+                conn.send_bytes(json.dumps({"op": op, "id": p.request_id}).encode())
+                if not conn.poll(self.timeout_s):
+                    raise ContextParamsError(f"context_phase_params: transfer agent {p.agent} did not answer {op!r} within {self.timeout_s} s")
+                reply = json.loads(conn.recv_bytes())
+                payload = conn.recv_bytes() if expect_payload and reply.get("ok") else None
+            except (EOFError, OSError) as exc:
+                self._conns.pop(key, None)
+                raise ContextParamsError(f"context_phase_params: transfer agent {p.agent} dropped the connection ({exc!r})") from None
+        if not reply.get("ok"):
+            raise ContextParamsError(f"context_phase_params: stale handoff: {reply.get('error')}")
+        return payload
+
+    def _connect(self, p: ContextPhaseParams) -> Connection:
+        host, _, port = p.agent.rpartition(":")
+        try:
+            return Client((host, int(port)), authkey=p.token.encode())
+        except ValueError:
+            raise ContextParamsError(f"context_phase_params: agent address {p.agent!r} is not host:port") from None
+        except (ConnectionRefusedError, OSError) as exc:
+            raise ContextParamsError(f"context_phase_params: cannot reach transfer agent {p.agent} ({exc.__class__.__name__})") from None
+        except Exception as exc:  # AuthenticationError: the blob's token is not this agent's
+            raise ContextParamsError(f"context_phase_params: transfer agent {p.agent} rejected the token ({exc.__class__.__name__})") from None
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._conns.values():
+                conn.close()
+            for seg in self._segments.values():
+                try:
+                    seg.close()
+                except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+                    pass
+            self._conns.clear()
+            self._segments.clear()

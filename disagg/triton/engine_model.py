@@ -1,0 +1,229 @@
+"""The reference engine as a decoupled Triton Python model, in the slot of the tensorrtllm backend.
+
+One instance = one `LLMEngine` on its own loop thread. `execute` only parses and queues: every
+request is answered through its response sender as the engine produces tokens, so many requests
+are in flight per instance (in-flight batching). The request parameter `request_type` picks the
+phase; a request with `stop=true` and the id of a request in flight cancels it and frees its KV,
+as with the tensorrtllm backend. A prefill instance keeps its KV pool in shared memory and runs a
+transfer agent; a decode instance pulls imported KV through a `KVPuller`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import shared_memory
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
+from disagg.engine.loop import EngineLoop
+from disagg.triton.metrics import EngineMetrics
+from disagg.triton.paths import model_param, resolve_path
+from disagg.triton.tensors import EngineCall, parse_engine_call
+from disagg.transfer.agent import TransferAgent
+from disagg.transfer.params import ContextParamsError, ContextPhaseParams
+from disagg.transfer.puller import KVPuller
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _tensor(name: str, array: np.ndarray):
+    return pb_utils.Tensor(name, array)
+
+
+def _ids(tokens: list[int]):
+    return [
+        _tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, 1, -1)),
+        _tensor("sequence_length", np.asarray([[len(tokens)]], dtype=np.int32)),
+    ]
+
+
+class Stream:
+    """One request's response sender: thread-safe, closed exactly once, streaming or accumulating."""
+
+    def __init__(self, sender, call: EngineCall):
+        self.sender = sender
+        self.call = call
+        self.tokens: list[int] = []
+        self.arrival_ns = time.time_ns()
+        self.first_token_ns = 0
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+    def token(self, token: int) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.first_token_ns = self.first_token_ns or time.time_ns()
+            self.tokens.append(token)
+            if self.call.streaming:
+                self.sender.send(pb_utils.InferenceResponse(output_tensors=_ids([token])))
+
+    def finish(self, extra: list | None = None) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            outputs = list(extra or [])
+            if not self.call.streaming or extra:
+                outputs += _ids(self.tokens)
+            if self.call.return_perf_metrics:
+                now = time.time_ns()
+                for name, value in (("arrival_time_ns", self.arrival_ns), ("first_token_time_ns", self.first_token_ns), ("last_token_time_ns", now)):
+                    outputs.append(_tensor(name, np.asarray([[value]], dtype=np.int64)))
+            if outputs:
+                self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+            else:
+                self.sender.send(flags=FINAL)
+
+    def fail(self, message: str) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(f"model {config['name']!r} must be decoupled (model_transaction_policy)")
+        self.name = config["name"]
+        self.role = model_param(args, "role")
+        self.transport = model_param(args, "kv_transfer_backend")
+        self.segment = None
+        kv_buffer = None
+        if self.role == "prefill" and self.transport == "shm":
+            def kv_buffer(nbytes):
+                self.segment = shared_memory.SharedMemory(create=True, size=nbytes, name=f"disagg_{self.name}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+                return self.segment.buf
+
+        self.metrics = EngineMetrics(self.role, args["model_instance_name"])
+        engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=kv_buffer)
+        self.vocab_size = engine.config.model.vocab_size
+        self.loop = EngineLoop(engine)
+        self.agent = None
+        if self.role == "prefill":
+            self.agent = TransferAgent(
+                self.loop,
+                transport=self.transport,
+                shm_name=self.segment.name if self.segment else "",
+                bind=model_param(args, "kv_bind_address"),
+                lease_s=float(model_param(args, "kv_lease_seconds")),
+            )
+        self.puller = KVPuller()
+        self.pulls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")
+        self.streams: dict[str, Stream] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._refresh_metrics, name="metrics", daemon=True).start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                call = parse_engine_call(request, pb_utils)
+            except RequestError as exc:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+                continue
+            if call.stop:
+                self._stop(call.request_id)
+                sender.send(flags=FINAL)
+            elif call.request_type == "generation_only":
+                self.pulls.submit(self._pull_and_submit, call, Stream(sender, call))
+            else:
+                self._submit(call, Stream(sender, call), None)
+        return None
+
+    # -- request lifecycle -------------------------------------------------------------------------
+    def _submit(self, call: EngineCall, stream: Stream, context: ContextPhase | None) -> None:
+        req_id = call.request_id or uuid.uuid4().hex
+        request = Request(req_id, call.input_ids, call.max_new_tokens, call.request_type, call.sampling, call.end_id, context)
+        with self._lock:
+            self.streams[req_id] = stream
+        try:
+            self.loop.submit(request, lambda out: self._on_output(req_id, stream, out))
+        except (RequestError, ValueError) as exc:
+            with self._lock:
+                self.streams.pop(req_id, None)
+            stream.fail(str(exc))
+
+    def _pull_and_submit(self, call: EngineCall, stream: Stream) -> None:
+        if call.context_phase_params is None:
+            stream.fail("context_phase_params: required for a generation_only request")
+            return
+        try:
+            params = ContextPhaseParams.from_bytes(call.context_phase_params)
+            if params.prompt_len != len(call.input_ids):
+                raise ContextParamsError(f"context_phase_params: describes a {params.prompt_len}-token prompt, input_ids has {len(call.input_ids)}")
+            pulled = self.puller.pull(params)
+        except ContextParamsError as exc:
+            stream.fail(str(exc))
+            return
+        self.metrics.handoff_bytes.increment(pulled.nbytes)
+        self.metrics.handoff_seconds.increment(pulled.seconds)
+        self.metrics.handoff_count.increment(1)
+        if stream.cancelled():
+            stream.finish()
+            return
+        self._submit(call, stream, ContextPhase(params.first_token, pulled.kv))
+
+    def _on_output(self, req_id: str, stream: Stream, out: StepOutput) -> None:
+        if stream.cancelled():
+            raise RuntimeError("cancelled by the client")  # the loop aborts the request and frees its KV
+        if out.error:
+            self._forget(req_id)
+            stream.fail(out.error)
+            return
+        if out.token is not None:
+            stream.token(out.token)
+        if not out.finished:
+            return
+        self._forget(req_id)
+        if out.finish_reason == "context_done":
+            params = self.agent.hold(req_id, out.token)
+            blob = np.frombuffer(params.to_bytes(), dtype=np.uint8).reshape(1, -1)
+            stream.finish([_tensor("context_phase_params", blob)])
+        else:
+            stream.finish()
+
+    def _stop(self, req_id: str) -> None:
+        """Cancels `req_id` (a `stop` request): frees its KV, held handoff included, and closes its stream."""
+        stream = self._forget(req_id)
+        self.loop.abort(req_id)
+        if self.agent is not None:
+            self.agent.drop(req_id)
+        if stream is not None:
+            stream.fail(f"request {req_id!r} was stopped")
+
+    def _forget(self, req_id: str) -> Stream | None:
+        with self._lock:
+            return self.streams.pop(req_id, None)
+
+    def _refresh_metrics(self, period_s: float = 0.1) -> None:
+        """Gauges follow the pool whatever changed it: a step, an ack, a lease expiry, a cancel."""
+        reclaimed = 0
+        while not self._closed.wait(period_s):
+            self.metrics.update(self.loop.stats(), self.agent.num_held if self.agent else 0)
+            if self.agent is not None and self.agent.reclaimed > reclaimed:
+                self.metrics.reclaimed.increment(self.agent.reclaimed - reclaimed)
+                reclaimed = self.agent.reclaimed
+
+    def finalize(self):
+        self._closed.set()
+        self.pulls.shutdown(wait=False, cancel_futures=True)
+        if self.agent is not None:
+            self.agent.close()
+        self.loop.stop()
+        self.puller.close()
+        if self.segment is not None:
+            self.segment.unlink()

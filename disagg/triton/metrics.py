@@ -1,0 +1,60 @@
+"""Per-role Prometheus metrics on Triton's metrics port, through `pb_utils.MetricFamily`.
+
+Every series carries `role` and `instance` labels, so a user sees which side is the bottleneck:
+    disagg_kv_blocks_in_use / disagg_kv_blocks_total      gauges, per engine instance
+    disagg_requests_in_flight / disagg_queue_depth        gauges (queue depth = waiting for KV blocks or a batch slot)
+    disagg_kv_handoff_bytes_total / _seconds_total / _count_total / _reclaimed_total   counters
+    disagg_ttft_seconds                                   histogram, as the orchestrator sees it
+The families are kept on the object: a Metric dies with its MetricFamily.
+"""
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+class Metrics:
+    def __init__(self, role: str, instance: str):
+        self.labels = {"role": role, "instance": instance}
+        self._families: dict[str, object] = {}
+        self._metrics: dict[str, object] = {}
+
+    def _get(self, name: str, description: str, kind, **kwargs):
+        if name not in self._metrics:
+            family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._families[name] = family
+            self._metrics[name] = family.Metric(labels=self.labels, **kwargs)
+        return self._metrics[name]
+
+    def gauge(self, name: str, description: str):
+        return self._get(name, description, pb_utils.MetricFamily.GAUGE)
+
+    def counter(self, name: str, description: str):
+        return self._get(name, description, pb_utils.MetricFamily.COUNTER)
+
+    def histogram(self, name: str, description: str, buckets: list[float]):
+        return self._get(name, description, pb_utils.MetricFamily.HISTOGRAM, buckets=buckets)
+
+
+class EngineMetrics(Metrics):
+    """Gauges refreshed after every engine step, counters for the KV handoff."""
+
+    def __init__(self, role: str, instance: str):
+        super().__init__(role, instance)
+        self.blocks_in_use = self.gauge("disagg_kv_blocks_in_use", "KV cache blocks held (running, waiting for handoff)")
+        self.blocks_total = self.gauge("disagg_kv_blocks_total", "KV cache blocks in the pool")
+        self.in_flight = self.gauge("disagg_requests_in_flight", "Requests admitted or waiting in the engine")
+        self.queue_depth = self.gauge("disagg_queue_depth", "Requests waiting for a batch slot or KV blocks")
+        self.handoff_held = self.gauge("disagg_kv_handoff_held", "Context-phase KV waiting to be pulled by decode")
+        self.handoff_bytes = self.counter("disagg_kv_handoff_bytes_total", "KV bytes pulled from prefill")
+        self.handoff_seconds = self.counter("disagg_kv_handoff_seconds_total", "Seconds spent pulling KV from prefill")
+        self.handoff_count = self.counter("disagg_kv_handoff_count_total", "KV handoffs completed")
+        self.reclaimed = self.counter("disagg_kv_handoff_reclaimed_total", "Handoffs freed by lease expiry")
+
+    def update(self, stats, held_handoffs: int = 0) -> None:
+        self.blocks_in_use.set(stats.blocks_used)
+        self.blocks_total.set(stats.blocks_total)
+        self.in_flight.set(stats.in_flight)
+        self.queue_depth.set(stats.waiting)
+        self.handoff_held.set(held_handoffs)

@@ -1,0 +1,230 @@
+"""The decoupled BLS orchestrator: prefill -> decode per request, streamed, many requests per instance.
+
+Where the upstream disaggregated BLS blocks on one request at a time and throws the context phase's
+token away, this one:
+- serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`;
+- streams the context phase's first token the moment prefill returns it (TTFT = prefill), and asks
+  decode only for the tokens after it, so nothing is duplicated;
+- gives each hop a deadline (`prefill_timeout_s`, `decode_timeout_s`: longest wait for the next
+  response) with an error that names the hop;
+- on client cancellation, a hop error or a timeout, sends `stop` for the request id to the engines,
+  which frees its KV wherever it is: running, queued, or held for the handoff.
+Mode "aggregated" sends the request to one engine as context_and_generation through the same path,
+so the baseline pays the same front-end costs.
+
+Every response carries the tokens produced since the last one, preceded by up to `PREFIX_TOKENS`
+earlier tokens (`prefix_length` says how many), so postprocessing can finish a UTF-8 character that
+straddles two responses without keeping state.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from disagg.triton.metrics import TTFT_BUCKETS, Metrics
+from disagg.triton.paths import model_param
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+PREFIX_TOKENS = 4
+FORWARDED = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "temperature", "runtime_top_k", "runtime_top_p", "seed")
+_DONE = object()
+
+
+class HopError(RuntimeError):
+    pass
+
+
+class Cancelled(Exception):
+    pass
+
+
+def _scalar(name: str, value, dtype) -> pb_utils.Tensor:
+    return pb_utils.Tensor(name, np.asarray([[value]], dtype=dtype))
+
+
+class Hop:
+    """One BLS call to an engine, its responses delivered through a queue so the caller can time out."""
+
+    def __init__(self, model: str, inputs: list, request_id: str, request_type: str):
+        self.model = model
+        self.responses: queue.Queue = queue.Queue()
+        request = pb_utils.InferenceRequest(
+            model_name=model,
+            inputs=inputs,
+            request_id=request_id,
+            requested_output_names=["output_ids", "context_phase_params"],
+            parameters={"request_type": request_type},
+        )
+        threading.Thread(target=self._run, args=(request,), name=f"hop-{model}", daemon=True).start()
+
+    def _run(self, request) -> None:
+        try:
+            for response in request.exec(decoupled=True):
+                self.responses.put(response)
+        except Exception as exc:  # noqa: BLE001 - surfaced to the waiting request thread
+            self.responses.put(HopError(f"{self.model}: {exc}"))
+        self.responses.put(_DONE)
+
+    def results(self, timeout_s: float, cancelled):
+        """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                item = self.responses.get(timeout=0.05)
+            except queue.Empty:
+                if cancelled():
+                    raise Cancelled() from None
+                if time.monotonic() > deadline:
+                    raise HopError(f"{self.model}: no response within {timeout_s:g} s") from None
+                continue
+            if item is _DONE:
+                return
+            if isinstance(item, Exception):
+                raise item
+            if item.has_error():
+                raise HopError(item.error().message())
+            deadline = time.monotonic() + timeout_s
+            ids = pb_utils.get_output_tensor_by_name(item, "output_ids")
+            params = pb_utils.get_output_tensor_by_name(item, "context_phase_params")
+            if ids is None and params is None:
+                continue
+            tokens = [] if ids is None else ids.as_numpy().reshape(-1).tolist()
+            yield tokens, (None if params is None else params.as_numpy())
+
+
+class ClientStream:
+    """What the client gets: token responses (streamed, or one at the end) with a UTF-8 prefix."""
+
+    def __init__(self, sender, streaming: bool):
+        self.sender = sender
+        self.streaming = streaming
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def emit(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        if self.streaming and tokens:
+            self._send(self.sent, flags=0)
+
+    def _send(self, start: int, flags: int) -> None:
+        prefix = max(0, start - PREFIX_TOKENS)
+        ids = self.tokens[prefix:]
+        outputs = [
+            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
+            pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
+            pb_utils.Tensor("prefix_length", np.asarray([[start - prefix]], dtype=np.int32)),
+        ]
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+        self.sent = len(self.tokens)
+
+    def finish(self) -> None:
+        if not self.streaming and self.tokens:
+            self._send(0, flags=FINAL)
+        else:
+            self.sender.send(flags=FINAL)
+
+    def fail(self, message: str) -> None:
+        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(f"model {config['name']!r} must be decoupled")
+        self.mode = model_param(args, "mode")
+        if self.mode == "aggregated":
+            self.engines = [model_param(args, "aggregated_model_name")]
+        else:
+            self.engines = [model_param(args, "context_model_name"), model_param(args, "generation_model_name")]
+        self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
+        self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
+        self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
+        self.metrics = Metrics(f"orchestrator-{self.mode}", args["model_instance_name"])
+        self.ttft = self.metrics.histogram("disagg_ttft_seconds", "Request arrival at the orchestrator -> first token sent", TTFT_BUCKETS)
+        self.in_flight = self.metrics.gauge("disagg_orchestrator_in_flight", "Requests the orchestrator is serving")
+        self.failures = self.metrics.counter("disagg_orchestrator_failures_total", "Requests ended by an error or timeout")
+        self.cancels = self.metrics.counter("disagg_orchestrator_cancelled_total", "Requests cancelled by the client")
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def execute(self, requests):
+        for request in requests:
+            self.workers.submit(self._serve, request, request.get_response_sender(), time.monotonic())
+        return None
+
+    def _serve(self, request, sender, arrival: float) -> None:
+        self._track(+1)
+        request_id = uuid.uuid4().hex
+        streaming = pb_utils.get_input_tensor_by_name(request, "streaming")
+        client = ClientStream(sender, bool(streaming is not None and streaming.as_numpy().reshape(-1)[0]))
+        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in FORWARDED) if t is not None]
+        inputs.append(_scalar("streaming", True, np.bool_))
+        try:
+            if self.mode == "aggregated":
+                hop = Hop(self.engines[0], inputs, request_id, "context_and_generation")
+                for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, sender.is_cancelled)):
+                    if n == 0:
+                        self.ttft.observe(time.monotonic() - arrival)
+                    client.emit(tokens)
+            else:
+                self._disaggregated(request_id, inputs, client, sender, arrival)
+            client.finish()
+        except Cancelled:
+            self.cancels.increment(1)
+            self._stop_everywhere(request_id)
+            self._quietly(client.finish)
+        except HopError as exc:
+            self.failures.increment(1)
+            self._stop_everywhere(request_id)
+            self._quietly(lambda: client.fail(str(exc)))
+        finally:
+            self._track(-1)
+
+    def _disaggregated(self, request_id: str, inputs: list, client: ClientStream, sender, arrival: float) -> None:
+        prefill, decode = self.engines
+        context = list(Hop(prefill, inputs, request_id, "context_only").results(self.prefill_timeout_s, sender.is_cancelled))
+        if not context:
+            raise HopError(f"{prefill}: no context-phase response")
+        tokens, params = context[-1]
+        client.emit(tokens)
+        self.ttft.observe(time.monotonic() - arrival)
+        if params is None:  # finished in the context phase (end_id or max_tokens=1): no KV was kept
+            return
+        if sender.is_cancelled():
+            raise Cancelled()
+        hop = Hop(decode, [*inputs, pb_utils.Tensor("context_phase_params", params.reshape(1, -1))], request_id, "generation_only")
+        for tokens, _ in hop.results(self.decode_timeout_s, sender.is_cancelled):
+            client.emit(tokens)
+
+    def _stop_everywhere(self, request_id: str) -> None:
+        """Frees the request's KV in every engine it may have touched (a no-op where it is gone)."""
+        stop = [
+            _scalar("input_lengths", 0, np.int32),
+            _scalar("request_output_len", 1, np.int32),
+            _scalar("stop", True, np.bool_),
+        ]
+        for model in self.engines:
+            self._quietly(lambda m=model: list(Hop(m, stop, request_id, "context_and_generation").results(5.0, lambda: False)))
+
+    @staticmethod
+    def _quietly(fn) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort on paths that already failed or were cancelled
+            pass
+
+    def _track(self, delta: int) -> None:
+        with self._lock:
+            self._count += delta
+            self.in_flight.set(self._count)
+
+    def finalize(self):
+        self.workers.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,109 @@
+"""KV handoff below the Triton boundary: prefill pool in shared memory (or TCP), agent leases, puller errors."""
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing import shared_memory
+
+import pytest
+from engine_helpers import EngineFactory
+
+from disagg.engine.engine import ContextPhase, LLMEngine, Request
+from disagg.engine.loop import EngineLoop
+from disagg.transfer.agent import TransferAgent
+from disagg.transfer.params import ContextParamsError, ContextPhaseParams
+from disagg.transfer.puller import KVPuller
+
+
+@pytest.fixture(scope="module")
+def factory(tmp_path_factory) -> EngineFactory:
+    return EngineFactory(tmp_path_factory.mktemp("handoff"))
+
+
+class Prefill:
+    """A prefill engine whose KV pool is a shared-memory segment, with its transfer agent."""
+
+    def __init__(self, engine_dir, transport="shm", lease_s=30.0):
+        self.segment = None
+
+        def shm_pool(nbytes):
+            self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
+            return self.segment.buf
+
+        engine = LLMEngine(engine_dir, kv_buffer=shm_pool if transport == "shm" else None)
+        self.loop = EngineLoop(engine)
+        self.agent = TransferAgent(self.loop, transport, self.segment.name if self.segment else "", lease_s=lease_s)
+
+    def context(self, req_id, prompt, max_new) -> ContextPhaseParams:
+        done = threading.Event()
+        first = []
+
+        def on_output(o):
+            first.append(o.token)
+            done.set()
+
+        self.loop.submit(Request(req_id, prompt, max_new, "context_only"), on_output)
+        assert done.wait(10)
+        return self.agent.hold(req_id, first[0])
+
+    def close(self):
+        self.agent.close()
+        self.loop.stop()
+        if self.segment is not None:
+            self.segment.unlink()
+
+
+PROMPT = tuple(range(3, 43))
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("decode_tp_pp", [(1, 1), (2, 2)])
+def test_pulled_kv_continues_exactly_as_aggregated(factory, transport, decode_tp_pp):
+    expected = factory.engine().generate([Request("a", PROMPT, 10)])["a"]
+    prefill = Prefill(factory.engine_dir(2, 1, role="prefill"), transport)
+    try:
+        params = ContextPhaseParams.from_bytes(prefill.context("r1", PROMPT, 10).to_bytes())
+        assert params.first_token == expected[0] and len(params.block_ids) == 3  # 40 tokens, 16 per block
+        assert prefill.loop.stats().blocks_used == 3
+        pulled = KVPuller().pull(params)
+        assert pulled.nbytes == 4 * 2 * 40 * 4 * 8 * 4  # layers * k|v * tokens * kv heads * head dim * fp32
+        assert prefill.loop.stats().blocks_used == 0 and prefill.agent.num_held == 0
+        decode = factory.engine(*decode_tp_pp, role="decode")
+        ctx = ContextPhase(params.first_token, pulled.kv)
+        rest = decode.generate([Request("r1", PROMPT, 10, "generation_only", context=ctx)])["r1"]
+        assert [params.first_token] + rest == expected
+    finally:
+        prefill.close()
+
+
+def test_stale_forged_and_unreachable_params_are_refused(factory):
+    prefill = Prefill(factory.engine_dir(role="prefill"))
+    puller = KVPuller()
+    try:
+        params = prefill.context("r2", PROMPT, 4)
+        puller.pull(params)
+        with pytest.raises(ContextParamsError, match=r"stale handoff: handoff 'r2' is not held here"):
+            puller.pull(params)
+        forged = ContextPhaseParams(**{**params.__dict__, "request_id": "r3", "token": "0" * 32})
+        with pytest.raises(ContextParamsError, match="rejected the token"):
+            KVPuller().pull(forged)
+        gone = ContextPhaseParams(**{**params.__dict__, "agent": "127.0.0.1:1"})
+        with pytest.raises(ContextParamsError, match=r"cannot reach transfer agent 127.0.0.1:1"):
+            KVPuller().pull(gone)
+        with pytest.raises(ContextParamsError, match="not a handoff blob"):
+            ContextPhaseParams.from_bytes(b"hello world")
+    finally:
+        prefill.close()
+
+
+def test_unacknowledged_handoff_is_reclaimed_after_its_lease(factory):
+    prefill = Prefill(factory.engine_dir(role="prefill"), lease_s=0.4)
+    try:
+        prefill.context("r4", PROMPT, 4)
+        assert prefill.loop.stats().blocks_used == 3
+        deadline = time.monotonic() + 5
+        while prefill.loop.stats().blocks_used and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert prefill.loop.stats().blocks_used == 0 and prefill.agent.reclaimed == 1
+    finally:
+        prefill.close()
