@@ -1,0 +1,86 @@
+"""`disagg-serve`: run tritonserver with what the bundled server needs filled in.
+
+    disagg-serve --model-repository model_repository          # HTTP 8000, gRPC 8001, metrics 8002
+    disagg-serve --model-repository model_repository --http-port 9000 --grpc-port 9001 \\
+        --metrics-port 9002 --model-control-mode=explicit --load-model=ensemble
+
+Takes tritonserver's own flags and passes them on unchanged. Without a tritonserver on PATH it runs the
+one bundled in nvidia-pytriton and adds the backend directory, library path and PATH that it needs
+(notes/triton-on-cpu.md). Prints where the server listens, then "ready" once every model is loaded.
+SIGINT/SIGTERM go to the server; the exit code is the server's.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+
+from disagg.serve.server import ServerError, TritonServer
+
+_PREFIX = "disagg-serve:"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="disagg-serve", description=__doc__, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is tritonserver's (see tritonserver --help) and is passed on as given.",
+    )
+    p.add_argument("--model-repository", "--model-store", action="append", required=True, help="as tritonserver")
+    p.add_argument("--http-port", type=int, default=8000, help="as tritonserver (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="as tritonserver (default 8001)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="as tritonserver (default 8002)")
+    p.add_argument("--backend-directory", help="as tritonserver; default: prepared for the bundled server")
+    p.add_argument("--exit-timeout-secs", type=int, help="as tritonserver (default 30)")
+    p.add_argument(
+        "--ready-timeout-secs", type=float, default=600.0,
+        help="disagg-serve only: give up when the server is not ready after this long (default 600)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, passthrough = _parser().parse_known_args(argv)
+    first, *more = args.model_repository
+    server = TritonServer(
+        first,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        address=None,
+        extra_args=[*(f"--model-repository={r}" for r in more), *passthrough],
+        exit_timeout_s=args.exit_timeout_secs,
+        backend_dir=args.backend_directory,
+    )
+    try:
+        server.start()
+    except ServerError as exc:
+        print(f"{_PREFIX} error: {exc}", file=sys.stderr)
+        return 2
+    signalled: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        signalled.append(signum)
+        if server.process.poll() is None:
+            server.process.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    print(f"{_PREFIX} {server.install.description}", flush=True)
+    print(f"{_PREFIX} {shlex.join(server.command())}", flush=True)
+    print(
+        f"{_PREFIX} listening on HTTP :{server.http_port}, gRPC :{server.grpc_port}, "
+        f"metrics :{server.metrics_port}", flush=True,
+    )
+    try:
+        server.wait_ready(args.ready_timeout_secs)
+        print(f"{_PREFIX} ready", flush=True)
+    except ServerError as exc:
+        if not signalled:
+            print(f"{_PREFIX} error: {exc}", file=sys.stderr)
+            server.stop()
+            return 1
+    code = server.wait()
+    server.stop()
+    return code if code >= 0 else 128 - code

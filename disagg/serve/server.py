@@ -1,0 +1,289 @@
+"""Starts and stops a real `tritonserver` process.
+
+The binary comes from one of two places:
+- a `tritonserver` on PATH (an NGC Triton container): run as it is, with its own backends;
+- otherwise the server bundled in the `nvidia-pytriton` wheel, prepared as notes/triton-on-cpu.md says:
+  a backend directory whose `python/` holds `libtriton_python.so`, `triton_python_backend_utils.py` and the
+  running Python's stub renamed `triton_python_backend_stub`, and `nvidia_pytriton.libs` on LD_LIBRARY_PATH.
+Either way the current interpreter's bin directory goes first on PATH, because the Python backend stub runs
+the first `python3` it finds there: that is what makes models import this virtualenv (and `disagg`).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
+_LIBPYTHON = f"libpython{_PY_VERSION}.so.1.0"
+_SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/lib", "/usr/lib")
+_PR_SET_PDEATHSIG = 1
+_GLOG_ERROR = re.compile(r"E\d{4} ")  # Triton's log lines of severity ERROR: E<month><day> <time> ...
+
+
+class ServerError(RuntimeError):
+    """tritonserver cannot be started, did not become ready, or something it needs is missing."""
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on loopback (all held open at once, so they differ)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(frozen=True)
+class ServerInstall:
+    """How to run one tritonserver: the binary, the backend directory to pass (None: the binary's
+    default), and the environment variables to add."""
+
+    binary: Path
+    backend_dir: Path | None
+    env: dict[str, str]
+    description: str
+
+
+def find_libpython(search_dirs: tuple[str, ...] = _SYSTEM_LIB_DIRS) -> Path | None:
+    """Directory holding the libpython the bundled stub should link, or None when the loader finds one
+    anyway (ldconfig cache). Raises ServerError naming the Debian package when there is none.
+
+    The running interpreter's own shared library comes first: the stub runs this interpreter's standard
+    library, and a libpython of another patch release breaks parts of it (Debian's 3.11.2 under a 3.11.7
+    stdlib: `multiprocessing.shared_memory` fails on `RLock._recursion_count`).
+    """
+    own = sysconfig.get_config_var("LIBDIR")
+    if own and (Path(own) / _LIBPYTHON).is_file():
+        return Path(own)
+    if ctypes.util.find_library(f"python{_PY_VERSION}") == _LIBPYTHON:
+        return None
+    for d in (*os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep), *search_dirs):
+        if d and (Path(d) / _LIBPYTHON).is_file():
+            return Path(d)
+    raise ServerError(
+        f"the Triton Python backend stub for Python {_PY_VERSION} needs {_LIBPYTHON}, which is not installed: "
+        f"install the Debian package libpython{_PY_VERSION} (apt-get install libpython{_PY_VERSION})"
+    )
+
+
+def _bundled_install(workdir: Path) -> ServerInstall:
+    try:
+        import pytriton
+    except ImportError:
+        raise ServerError(
+            "no tritonserver on PATH and the nvidia-pytriton package is not installed (pip install nvidia-pytriton)"
+        ) from None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    stub = root / "python_backend_stubs" / _PY_VERSION / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {_PY_VERSION} (looked in {stub})")
+    libpython_dir = find_libpython()
+    lib_dirs = ([str(libpython_dir)] if libpython_dir else []) + [str(libs)]
+    backend_dir = workdir / "backends"
+    python_dir = backend_dir / "python"
+    python_dir.mkdir(parents=True)
+    backend_src = root / "backends" / "python"
+    (python_dir / "libtriton_python.so").symlink_to(backend_src / "libtriton_python.so")
+    (python_dir / "triton_python_backend_utils.py").symlink_to(backend_src / "triton_python_backend_utils.py")
+    (python_dir / "triton_python_backend_stub").symlink_to(stub)
+    old = os.environ.get("LD_LIBRARY_PATH")
+    return ServerInstall(
+        binary=root / "bin" / "tritonserver",
+        backend_dir=backend_dir,
+        env={"LD_LIBRARY_PATH": os.pathsep.join(lib_dirs + ([old] if old else []))},
+        description=f"tritonserver bundled with nvidia-pytriton ({root})",
+    )
+
+
+def find_install(workdir: Path) -> ServerInstall:
+    """The tritonserver on PATH if there is one, else the bundled one prepared under `workdir`."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return ServerInstall(Path(on_path), None, {}, f"tritonserver on PATH ({on_path})")
+    return _bundled_install(workdir)
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: the server gets SIGTERM when the process (thread) that started it
+    # dies, so a killed test run or launcher never leaves a server holding its ports.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class TritonServer:
+    """One tritonserver process serving `model_repository`.
+
+    Ports left as None are picked free on loopback. `address` binds HTTP, gRPC and metrics (None: the
+    server's default, all interfaces). `log_path`: file receiving the server's stdout and stderr (None:
+    inherit ours). `extra_args` go to tritonserver unchanged (e.g. `--model-control-mode=explicit`).
+    `exit_timeout_s`: `--exit-timeout-secs`, short by default because with a decoupled model loaded
+    shutdown otherwise waits up to 30 s (None: the server's default). `backend_dir`: a ready backend
+    directory; None prepares one for the bundled server. The server gets SIGTERM if the thread that
+    started it dies. Use as a context manager (start, wait until ready, stop on exit) or call
+    start/wait_ready/stop.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | Path,
+        *,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        address: str | None = "127.0.0.1",
+        extra_args: tuple[str, ...] | list[str] = (),
+        log_path: str | Path | None = None,
+        exit_timeout_s: int | None = 5,
+        backend_dir: str | Path | None = None,
+    ):
+        self.model_repository = Path(model_repository)
+        picked = iter(free_ports([http_port, grpc_port, metrics_port].count(None)))
+        self.http_port = next(picked) if http_port is None else http_port
+        self.grpc_port = next(picked) if grpc_port is None else grpc_port
+        self.metrics_port = next(picked) if metrics_port is None else metrics_port
+        self.address = address
+        self.extra_args = tuple(extra_args)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.exit_timeout_s = exit_timeout_s
+        self.backend_dir = Path(backend_dir) if backend_dir is not None else None
+        self.process: subprocess.Popen | None = None
+        self.install: ServerInstall | None = None
+        self._workdir: Path | None = None
+
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.address in (None, "0.0.0.0") else self.address
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        assert self.install is not None, "start() resolves the install first"
+        cmd = [
+            str(self.install.binary),
+            f"--model-repository={self.model_repository}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+        ]
+        if self.address is not None:
+            cmd += [f"--{kind}-address={self.address}" for kind in ("http", "grpc", "metrics")]
+        if self.exit_timeout_s is not None:
+            cmd.append(f"--exit-timeout-secs={self.exit_timeout_s}")
+        backend_dir = self.backend_dir or self.install.backend_dir
+        if backend_dir is not None:
+            cmd.append(f"--backend-directory={backend_dir}")
+        return cmd + list(self.extra_args)
+
+    def start(self) -> TritonServer:
+        if self.process is not None:
+            raise ServerError("this TritonServer was already started")
+        if not self.model_repository.is_dir():
+            raise ServerError(f"model repository {self.model_repository} is not a directory")
+        self._workdir = Path(tempfile.mkdtemp(prefix="disagg-tritonserver-"))
+        self.install = find_install(self._workdir)
+        env = dict(os.environ, **self.install.env)
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        out = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(
+                self.command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+            )
+        finally:
+            if out is not None:
+                out.close()
+        return self
+
+    def log_excerpt(self, lines: int = 40) -> str:
+        """The log's error lines (a model's load failure scrolls far up behind the shutdown tables),
+        then its last `lines` lines."""
+        if self.log_path is None or not self.log_path.is_file():
+            return "(server output went to the console above)"
+        with open(self.log_path, errors="replace") as f:
+            text = f.readlines()
+        errors = [line for line in text if _GLOG_ERROR.match(line)][-20:]
+        return "errors:\n" + "".join(errors) + f"last {lines} lines:\n" + "".join(text[-lines:])
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Polls HTTP `/v2/health/ready` until true; raises ServerError with the log tail if the server
+        exits first or `timeout` seconds pass."""
+        import tritonclient.http as httpclient
+
+        assert self.process is not None, "call start() first"
+        client = httpclient.InferenceServerClient(self.http_url, connection_timeout=2.0, network_timeout=2.0)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                code = self.process.poll()
+                if code is not None:
+                    raise ServerError(f"tritonserver exited with code {code} before it was ready:\n{self.log_excerpt()}")
+                try:
+                    if client.is_server_ready():
+                        return
+                except Exception:  # noqa: BLE001 - connection refused/reset while it starts up
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_excerpt()}")
+                time.sleep(0.2)
+        finally:
+            client.close()
+
+    def wait(self) -> int:
+        """Blocks until the server exits; its exit code (negative: killed by that signal)."""
+        assert self.process is not None, "call start() first"
+        return self.process.wait()
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL if it is still running `exit_timeout_s + grace_s` seconds later.
+        Returns the exit code (None if it was never started). Safe to call twice."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=(self.exit_timeout_s or 30) + grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        return self.process.returncode if self.process is not None else None
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,59 @@
+"""`postprocessing` model: token ids -> text, stateless and UTF-8 safe for streaming.
+
+Each row of TOKENS_BATCH holds SEQUENCE_LENGTH valid tokens; the first PREFIX_LENGTH of them were already
+turned into text by an earlier response and are context only (disagg.text.Detokenizer). Without
+PREFIX_LENGTH a row is a whole sequence and decodes exactly like `tokenizer.decode`; with it, a trailing
+incomplete character is held back for the next response. An orchestrator therefore sends, in every
+streamed response, the new tokens plus at least the 3 tokens before them (or all tokens so far).
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg.text import Detokenizer, load_tokenizer
+from disagg.triton.paths import model_param, resolve_path
+
+
+@dataclass(frozen=True)
+class Postprocessor:
+    detokenizer: Detokenizer
+
+    def texts(self, tokens: np.ndarray, lengths: np.ndarray, prefix_len: int | None) -> list[bytes]:
+        """tokens: [beams, T], lengths: [beams] -> UTF-8 text of each beam's new tokens."""
+        out = []
+        for row, length in zip(tokens, lengths):
+            ids = row[: int(length)].tolist()
+            start = prefix_len or 0
+            text = self.detokenizer.incremental_text(ids[:start], ids[start:], final=prefix_len is None)
+            out.append(text.encode())
+        return out
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        tokenizer = load_tokenizer(resolve_path(args, "tokenizer_dir"))
+        skip = model_param(args, "skip_special_tokens").lower() == "true"
+        self.post = Postprocessor(Detokenizer.from_tokenizer(tokenizer, skip_special_tokens=skip))
+
+    def _respond(self, pb_utils, request):
+        tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()  # [batch, beams, T]
+        lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()  # [batch, beams]
+        prefix = pb_utils.get_input_tensor_by_name(request, "PREFIX_LENGTH")  # [batch, 1] or absent
+        prefix_lens = [None] * len(tokens) if prefix is None else prefix.as_numpy().reshape(-1).tolist()
+        texts = [self.post.texts(t, n, p) for t, n, p in zip(tokens, lengths, prefix_lens)]
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object))])
+
+    def execute(self, requests: list) -> list:
+        import triton_python_backend_utils as pb_utils  # exists only inside the Python backend stub
+
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._respond(pb_utils, request))
+            except Exception as exc:  # noqa: BLE001 - one broken request must not fail the batch
+                pb_utils.Logger.log_error(f"postprocessing: {traceback.format_exc()}")
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"postprocessing: {exc}")))
+        return responses

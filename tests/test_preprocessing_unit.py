@@ -1,0 +1,83 @@
+"""Pre/postprocessing logic and model parameters, without Triton."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from disagg.triton.paths import model_param, resolve_path
+from disagg.triton.postprocessing import Postprocessor
+from disagg.triton.preprocessing import InputError, Limits, Preprocessor
+from disagg.text import Detokenizer, load_tokenizer
+
+LIMITS = Limits(max_input_len=256, max_output_len=319, max_seq_len=320)
+
+
+@pytest.fixture(scope="module")
+def pre(tiny_checkpoint) -> Preprocessor:
+    return Preprocessor.load(tiny_checkpoint, LIMITS, add_bos=True)
+
+
+def test_prompt_is_tokenized_with_one_bos_and_default_ids(pre):
+    p = pre.prepare("hello café".encode(), 16)
+    assert p.input_ids.dtype == np.int32 and p.input_ids[0] == 0 and 0 not in p.input_ids[1:].tolist()
+    assert pre.tokenizer.decode(p.input_ids.tolist()) == "hello café"
+    assert (p.output_len, p.end_id, p.pad_id) == (16, 1, 1)  # no pad token: pad with EOS
+    assert (pre.prepare(b"x", 4, end_id=7, pad_id=8).end_id, pre.prepare(b"x", 4, pad_id=8).pad_id) == (7, 8)
+
+
+def test_no_bos_when_add_bos_is_off(tiny_checkpoint):
+    p = Preprocessor.load(tiny_checkpoint, LIMITS, add_bos=False).prepare(b"hello", 4)
+    assert p.input_ids[0] != 0
+
+
+@pytest.mark.parametrize(
+    ("query", "max_tokens", "extra", "message"),
+    [
+        (b"", 8, {}, "text_input: empty prompt"),
+        (b"abc\xff", 8, {}, "text_input: not valid UTF-8 (byte 0xff at offset 3)"),
+        (b"caf\xc3", 8, {}, "text_input: not valid UTF-8 (byte 0xc3 at offset 3)"),
+        (b"x" * 300, 8, {}, "text_input: prompt is 301 tokens, over the limit max_input_len=256"),
+        (b"hello", 0, {}, "max_tokens: 0 must be >= 1"),
+        (b"hello", -3, {}, "max_tokens: -3 must be >= 1"),
+        (b"hello", 5000, {}, "max_tokens: 5000 is over the limit 319"),
+        (b"x" * 200, 200, {}, "max_tokens: 200 with a 201-token prompt is over max_seq_len=320 (at most 119 here)"),
+        (b"hello", 8, {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511)"),
+        (b"hello", 8, {"pad_id": -1}, "pad_id: -1 is outside the vocabulary (0..511)"),
+    ],
+)
+def test_bad_inputs_name_the_field_and_the_limit(pre, query, max_tokens, extra, message):
+    with pytest.raises(InputError) as err:
+        pre.prepare(query, max_tokens, **extra)
+    assert str(err.value) == message
+
+
+def test_postprocessing_emits_only_new_text_and_whole_sequences_decode_fully(tiny_checkpoint):
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    post = Postprocessor(Detokenizer.from_tokenizer(tokenizer))
+    ids = tokenizer.encode("a 東京").ids
+    split = len(ids) - 1  # the last token finishes 京
+    padded = np.array([[*ids, 0, 0]], dtype=np.int32)  # [beams=1, T] with padding past sequence_length
+    lengths = np.array([len(ids)], dtype=np.int32)
+    assert post.texts(padded, lengths, prefix_len=None) == ["a 東京".encode()]
+    assert post.texts(padded, lengths, prefix_len=split) == ["京".encode()]
+    assert post.texts(padded[:, :split], lengths - 1, prefix_len=0) == ["a 東".encode()]
+
+
+def _args(tmp_path, **params) -> dict:
+    repo = tmp_path / "model_repository"
+    (repo / "preprocessing").mkdir(parents=True, exist_ok=True)
+    config = {"name": "preprocessing", "parameters": {k: {"string_value": v} for k, v in params.items()}}
+    return {"model_config": json.dumps(config), "model_repository": str(repo / "preprocessing")}
+
+
+def test_model_param_and_resolve_path_against_the_repository_root(tmp_path):
+    (tmp_path / "build" / "tok").mkdir(parents=True)
+    args = _args(tmp_path, tokenizer_dir="../build/tok", missing_dir="../build/nope", max_input_len="256")
+    assert model_param(args, "max_input_len") == "256"
+    assert resolve_path(args, "tokenizer_dir") == (tmp_path / "build" / "tok").resolve()
+    with pytest.raises(ValueError, match="model 'preprocessing': parameter 'max_output_len' is missing"):
+        model_param(args, "max_output_len")
+    with pytest.raises(FileNotFoundError, match=r"model 'preprocessing': parameter missing_dir='../build/nope' points to"):
+        resolve_path(args, "missing_dir")

@@ -1,0 +1,176 @@
+"""A real tritonserver serving the rendered front (preprocessing -> orchestrator -> postprocessing).
+
+The orchestrator is replaced by an echo double that streams the prompt's own token ids back, so the
+text must come back unchanged: tokenize -> ensemble plumbing -> incremental detokenize, end to end.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from disagg.render import render_repository
+from disagg.serve.server import ServerError, TritonServer, find_libpython, free_ports
+from disagg.spec import load_spec
+from tools.stream_client import StreamError, stream
+
+pytestmark = pytest.mark.e2e
+
+ECHO_ORCHESTRATOR = '''
+"""Test double for disagg_orchestrator: streams the prompt's ids back, one token per response with up
+to 3 earlier tokens as prefix (all at once when not streaming). max_tokens=1 instead answers with an
+error listing the inputs it received, to check which optional ensemble inputs arrive."""
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _value(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy().reshape(-1)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            if _value(request, "request_output_len")[0] == 1:
+                names = " ".join(sorted(t.name() for t in request.inputs()))
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"echo received: {names}")),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            ids = _value(request, "input_ids").astype(np.int32)
+            streaming = _value(request, "streaming")
+            if streaming is not None and streaming[0]:
+                windows = [(max(0, i - 3), i + 1) for i in range(len(ids))]
+            else:
+                windows = [(0, len(ids))]
+            for start, end in windows:
+                prefix = 0 if len(windows) == 1 else end - 1 - start
+                sender.send(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("output_ids", ids[None, None, start:end]),
+                    pb_utils.Tensor("sequence_length", np.array([[end - start]], dtype=np.int32)),
+                    pb_utils.Tensor("prefix_length", np.array([[prefix]], dtype=np.int32)),
+                ]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+PROMPT = "Unicode: café 東京 🙂 — the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def front_repo(new_project) -> Path:
+    """The cpu-tiny repository rendered with relative paths in a scratch project, echo orchestrator."""
+    project = new_project("front")
+    with contextlib.chdir(project):
+        render_repository(load_spec("configs/cpu-tiny.yaml"), "model_repository")
+    (project / "model_repository" / "disagg_orchestrator" / "1" / "model.py").write_text(ECHO_ORCHESTRATOR)
+    return project / "model_repository"
+
+
+@pytest.fixture(scope="module")
+def server(start_triton, front_repo):
+    # Explicit mode loads the ensemble and its steps only: the engine models are not needed here.
+    s = start_triton(front_repo, "--model-control-mode=explicit", "--load-model=ensemble")
+    yield s
+    s.stop()
+
+
+def test_prompt_streams_back_as_its_own_text(server):
+    r = stream(server.grpc_url, "ensemble", PROMPT, max_tokens=16)
+    assert r.text == PROMPT
+    assert len(r.chunks) > 10 and "\ufffd" not in r.text  # split per token, multi-byte chars whole
+    assert 0 < r.ttft <= r.timestamps[-1] and len(r.itl) >= 10
+
+
+def test_non_streaming_returns_one_response(server):
+    r = stream(server.grpc_url, "ensemble", PROMPT, max_tokens=16, streaming=False)
+    assert r.chunks == (PROMPT,)
+
+
+def test_optional_inputs_reach_the_orchestrator_only_when_sent(server):
+    with pytest.raises(StreamError) as bare:
+        stream(server.grpc_url, "ensemble", "hi", max_tokens=1)
+    with pytest.raises(StreamError) as full:
+        stream(server.grpc_url, "ensemble", "hi", max_tokens=1, temperature=0.5, top_k=5, top_p=0.9, seed=3)
+    always = "end_id input_ids input_lengths pad_id request_output_len"
+    assert bare.value.args[0].endswith(f"echo received: {always} streaming")
+    assert full.value.args[0].endswith(
+        "echo received: end_id input_ids input_lengths pad_id request_output_len "
+        "runtime_top_k runtime_top_p seed streaming temperature"
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "message"),
+    [
+        ("", {}, "text_input: empty prompt"),
+        (b"abc\xff", {}, "text_input: not valid UTF-8 (byte 0xff at offset 3)"),
+        ("x" * 300, {}, "text_input: prompt is 301 tokens, over the limit max_input_len=256"),
+        ("hello", {"max_tokens": 0}, "max_tokens: 0 must be >= 1"),
+        ("hello", {"max_tokens": 5000}, "max_tokens: 5000 is over the limit 319"),
+        ("hello", {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511)"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server, prompt, kwargs, message):
+    kwargs = {"max_tokens": 8, **kwargs}
+    with pytest.raises(StreamError) as err:
+        stream(server.grpc_url, "ensemble", prompt, **kwargs)
+    assert err.value.args[0] == f"in ensemble 'ensemble', {message}"
+    assert stream(server.grpc_url, "ensemble", "still here", max_tokens=8).text == "still here"
+
+
+def test_a_model_that_fails_to_load_fails_wait_ready_with_the_log(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\n')
+    (repo / "broken" / "1" / "model.py").write_text("raise ImportError('no such engine')\n")
+    with pytest.raises(ServerError, match=r"(?s)exited with code \d+ before it was ready:\nerrors:\n.*failed to load 'broken'.*no such engine"):
+        with TritonServer(repo, log_path=tmp_path / "log"):
+            pass
+
+
+def test_missing_libpython_names_the_debian_package(monkeypatch):
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)
+    monkeypatch.setattr("sysconfig.get_config_var", lambda name: None)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    with pytest.raises(ServerError, match=rf"install the Debian package libpython{version} "):
+        find_libpython(search_dirs=())
+
+
+def test_disagg_serve_starts_prints_ready_and_exits_cleanly_on_sigterm(front_repo):
+    http, grpc, metrics = free_ports(3)
+    launcher = Path(sys.executable).parent / "disagg-serve"
+    proc = subprocess.Popen(
+        [str(launcher), "--model-repository", str(front_repo), "--http-port", str(http), "--grpc-port", str(grpc),
+         "--metrics-port", str(metrics), "--exit-timeout-secs=5",
+         "--model-control-mode=explicit", "--load-model=postprocessing"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "disagg-serve: ready":
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(120), "no 'ready' line:\n" + "".join(lines[-40:])
+        assert any(f"listening on HTTP :{http}, gRPC :{grpc}, metrics :{metrics}" in line for line in lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines[-40:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
