@@ -118,7 +118,16 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _weights(preset: Preset, seed: int) -> dict[str, np.ndarray]:
+def _printable(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
+    """Tokens that decode on their own to printable text (not a stray byte of a multi-byte character)."""
+    keep = np.zeros(vocab_size, dtype=bool)
+    for i in range(tokenizer.get_vocab_size()):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        keep[i] = bool(text) and "\ufffd" not in text and text.isprintable()
+    return keep
+
+
+def _weights(preset: Preset, seed: int, printable: np.ndarray) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     d, f, v = preset.hidden_size, preset.intermediate_size, preset.vocab_size
     head_dim = d // preset.num_attention_heads
@@ -144,7 +153,9 @@ def _weights(preset: Preset, seed: int) -> dict[str, np.ndarray]:
         w[p + "mlp.down_proj.weight"] = dense(d, f)
     w["model.norm.weight"] = norm()
     if not preset.tie_word_embeddings:
-        w["lm_head.weight"] = dense(v, d) * 4
+        # Random weights give random text; silencing tokens that are only fragments of a character
+        # makes that text readable word salad instead of a stream of U+FFFD.
+        w["lm_head.weight"] = dense(v, d) * 4 * printable[:, None]
     return w
 
 
@@ -161,5 +172,5 @@ def generate_checkpoint(out_dir: str | Path, preset_name: str, seed: int = 0) ->
         json.dumps({"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2)
     )
     (out / "config.json").write_text(json.dumps(preset.hf_config(), indent=2, sort_keys=True))
-    save_file(_weights(preset, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_weights(preset, seed, _printable(tokenizer, preset.vocab_size)), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from disagg.checkpoint import generate_checkpoint
 from disagg.serve.server import TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # so tests import the scripts in tools/ as tools.<name>
 
 # Where configs put the generated checkpoint, relative to the project root (as in configs/cpu-tiny.yaml).
 TINY_CHECKPOINT = Path("build/checkpoints/tiny-llama")

@@ -191,3 +191,14 @@ def test_missing_template_variable_is_an_error():
 def test_invalid_config_names_the_model(text, message):
     with pytest.raises(RenderError, match=message.replace("(", r"\(")):
         parse_config("prefill", text)
+
+
+def test_committed_model_repository_is_the_rendering_of_cpu_tiny(tmp_path):
+    """model_repository/ in git must be exactly what build-engines renders for configs/cpu-tiny.yaml."""
+    committed = Path("model_repository")
+    render_repository(load_spec("configs/cpu-tiny.yaml"), tmp_path / "model_repository")
+    fresh = {p.relative_to(tmp_path / "model_repository"): p.read_text() for p in (tmp_path / "model_repository").rglob("*") if p.is_file()}
+    in_git = {p.relative_to(committed): p.read_text() for p in committed.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert sorted(in_git) == sorted(fresh), "files differ: re-run build-engines --config configs/cpu-tiny.yaml and commit"
+    for rel, text in fresh.items():
+        assert in_git[rel] == text, f"model_repository/{rel} drifted from its rendering: re-run build-engines and commit"

@@ -6,7 +6,8 @@
 
 Takes tritonserver's own flags and passes them on unchanged. Without a tritonserver on PATH it runs the
 one bundled in nvidia-pytriton and adds the backend directory, library path and PATH that it needs
-(notes/triton-on-cpu.md). Prints where the server listens, then "ready" once every model is loaded.
+(notes/triton-on-cpu.md). Listens on 127.0.0.1 unless an --http-address/--grpc-address/--metrics-address
+flag says otherwise. Prints where the server listens, then "ready" once every model is loaded.
 SIGINT/SIGTERM go to the server; the exit code is the server's.
 """
 from __future__ import annotations
@@ -43,12 +44,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = _parser().parse_known_args(argv)
     first, *more = args.model_repository
+    chooses_address = any(a.split("=")[0] in ("--http-address", "--grpc-address", "--metrics-address") for a in passthrough)
     server = TritonServer(
         first,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
-        address=None,
+        address=None if chooses_address else "127.0.0.1",
         extra_args=[*(f"--model-repository={r}" for r in more), *passthrough],
         exit_timeout_s=args.exit_timeout_secs,
         backend_dir=args.backend_directory,

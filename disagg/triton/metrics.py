@@ -5,11 +5,36 @@ Every series carries `role` and `instance` labels, so a user sees which side is 
     disagg_requests_in_flight / disagg_queue_depth        gauges (queue depth = waiting for KV blocks or a batch slot)
     disagg_kv_handoff_bytes_total / _seconds_total / _count_total / _reclaimed_total   counters
     disagg_ttft_seconds                                   histogram, as the orchestrator sees it
-The families are kept on the object: a Metric dies with its MetricFamily.
+The families are kept on the object: a Metric dies with its MetricFamily. Updates are serialised
+by one lock per process: concurrent metric calls from many request threads crash Triton 2.51's
+python backend (a segfault in libtriton_python.so, seen with 8+ concurrent orchestrated streams).
 """
 from __future__ import annotations
 
+import threading
+
 import triton_python_backend_utils as pb_utils
+
+_UPDATE_LOCK = threading.Lock()
+
+
+class _Serialized:
+    """A pb_utils Metric whose updates go through the process-wide lock."""
+
+    def __init__(self, metric):
+        self._metric = metric
+
+    def set(self, value: float) -> None:
+        with _UPDATE_LOCK:
+            self._metric.set(value)
+
+    def increment(self, value: float) -> None:
+        with _UPDATE_LOCK:
+            self._metric.increment(value)
+
+    def observe(self, value: float) -> None:
+        with _UPDATE_LOCK:
+            self._metric.observe(value)
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
@@ -24,7 +49,7 @@ class Metrics:
         if name not in self._metrics:
             family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
             self._families[name] = family
-            self._metrics[name] = family.Metric(labels=self.labels, **kwargs)
+            self._metrics[name] = _Serialized(family.Metric(labels=self.labels, **kwargs))
         return self._metrics[name]
 
     def gauge(self, name: str, description: str):

@@ -157,15 +157,18 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            self.workers.submit(self._serve, request, request.get_response_sender(), time.monotonic())
+            # Inputs are copied here: a request's tensors are released once execute returns.
+            tensors = {n: pb_utils.get_input_tensor_by_name(request, n) for n in (*FORWARDED, "streaming")}
+            arrays = {n: t.as_numpy().copy() for n, t in tensors.items() if t is not None}
+            self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
         return None
 
-    def _serve(self, request, sender, arrival: float) -> None:
+    def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
         self._track(+1)
         request_id = uuid.uuid4().hex
-        streaming = pb_utils.get_input_tensor_by_name(request, "streaming")
-        client = ClientStream(sender, bool(streaming is not None and streaming.as_numpy().reshape(-1)[0]))
-        inputs = [t for t in (pb_utils.get_input_tensor_by_name(request, n) for n in FORWARDED) if t is not None]
+        streaming = arrays.pop("streaming", None)
+        client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]))
+        inputs = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
         inputs.append(_scalar("streaming", True, np.bool_))
         try:
             if self.mode == "aggregated":

@@ -1,0 +1,247 @@
+"""The whole served system on a real tritonserver (loopback ports): cpu-tiny built by build-engines.
+
+Disaggregated (`ensemble`) against aggregated (`aggregated`) over gRPC and HTTP, concurrency,
+first-token timing, bad inputs, cancellation, and the KV pool back at zero afterwards.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from disagg.serve.metrics import by_role, scrape
+from tools.stream_client import StreamError, build_inputs, stream
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "It was the best of times",
+    "Call me Ishmael.",
+    "a",
+    "The quick brown fox jumps over the lazy dog while the server streams tokens.",
+    "def forward(self, x):\n    return x",
+    "Unicode: café naïve 東京 ✓",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2048 4096.",
+    "Prefill reads the whole prompt at once and is bound by compute; decode emits one token per step. " * 3,
+    "In the beginning the Universe was created.",
+    "for i in range(10): print(i)",
+    "It is a way I have of driving off the spleen and regulating the circulation.",
+    "(a, b) [c; d] {e: f}",
+]
+
+
+@pytest.fixture(scope="module")
+def server(cpu_tiny_project, start_triton):
+    """All models loaded, explicit control so a test can unload `decode`."""
+    s = start_triton(cpu_tiny_project / "model_repository", "--model-control-mode=explicit", "--load-model=*")
+    yield s
+    s.stop()
+
+
+def http_post(url: str, body: dict, timeout: float = 60.0) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def sse_text(body: str) -> list[str]:
+    return [json.loads(line[len("data: ") :])["text_output"] for line in body.splitlines() if line.startswith("data: ")]
+
+
+def kv_in_use(server) -> dict[str, float]:
+    return by_role(scrape(server.metrics_url))["disagg_kv_blocks_in_use"]
+
+
+def wait_kv_zero(server, timeout_s: float = 5.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = kv_in_use(server)
+        if not any(used.values()) or time.monotonic() > deadline:
+            return used
+        time.sleep(0.1)
+
+
+def test_disaggregated_streams_exactly_the_aggregated_text(server):
+    for prompt in PROMPTS:
+        expected = stream(server.grpc_url, "aggregated", prompt, 24, streaming=False).text
+        agg_stream = stream(server.grpc_url, "aggregated", prompt, 24)
+        assert expected and agg_stream.text == expected, prompt
+        grpc_stream = stream(server.grpc_url, "ensemble", prompt, 24)
+        assert grpc_stream.text == expected, prompt
+        assert grpc_stream.chunks == agg_stream.chunks and len(grpc_stream.chunks) > 1  # token by token
+        status, body = http_post(f"http://{server.http_url}/v2/models/ensemble/generate_stream", {"text_input": prompt, "max_tokens": 24, "stream": True})
+        assert status == 200 and "".join(sse_text(body)) == expected, prompt
+        status, body = http_post(f"http://{server.http_url}/v2/models/ensemble/generate", {"text_input": prompt, "max_tokens": 24})
+        assert status == 200 and json.loads(body)["text_output"] == expected
+
+
+def test_seeded_sampling_matches_across_deployments(server):
+    sampling = dict(temperature=0.8, top_k=50, top_p=0.9, seed=4242)
+    agg = stream(server.grpc_url, "aggregated", PROMPTS[0], 24, **sampling).text
+    assert stream(server.grpc_url, "ensemble", PROMPTS[0], 24, **sampling).text == agg
+    assert agg != stream(server.grpc_url, "aggregated", PROMPTS[0], 24).text
+
+
+def test_16_concurrent_streams_complete_and_overlap(server):
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" #{i}" for i in range(16)]
+    expected = {p: stream(server.grpc_url, "aggregated", p, 48, streaming=False).text for p in prompts}
+    results: dict[str, object] = {}
+
+    def one(p: str) -> None:
+        t = time.perf_counter()
+        r = stream(server.grpc_url, "ensemble", p, 48)
+        results[p] = (r.text, time.perf_counter() - t)
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    wall = time.perf_counter() - start
+    assert {p: text for p, (text, _) in results.items()} == expected
+    latencies = sum(lat for _, lat in results.values())
+    assert wall < 0.5 * latencies, f"wall {wall:.2f}s vs sum of latencies {latencies:.2f}s: requests did not overlap"
+
+
+def test_first_token_is_streamed_before_decode_starts(server):
+    """With decode unloaded, the context phase's token still reaches the client, then the decode error."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    expected_first = stream(server.grpc_url, "aggregated", PROMPTS[1], 8).chunks[0]
+    client.unload_model("decode")
+    try:
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("ensemble", build_inputs(PROMPTS[1], 8), enable_empty_final_response=True)
+        first_result, first_error = responses.get(timeout=30)
+        assert first_error is None
+        assert first_result.as_numpy("text_output").reshape(-1)[0].decode() == expected_first
+        _, error = responses.get(timeout=30)
+        assert error is not None and "decode" in error.message()
+        client.stop_stream()
+    finally:
+        client.load_model("decode")
+        client.close()
+    assert wait_kv_zero(server)["prefill"] == 0  # the error path released the held handoff
+
+
+def test_no_token_is_duplicated(server):
+    prompt = PROMPTS[3]
+    agg = stream(server.grpc_url, "aggregated", prompt, 16)
+    dis = stream(server.grpc_url, "ensemble", prompt, 16)
+    assert dis.chunks == agg.chunks and len(dis.chunks) == 16
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"text_input": "", "max_tokens": 8}, "text_input: empty prompt"),
+        ({"text_input": "word " * 400, "max_tokens": 8}, "over the limit max_input_len=256"),
+        ({"text_input": "hi", "max_tokens": 0}, "max_tokens: 0 must be >= 1"),
+        ({"text_input": "hi", "max_tokens": -3}, "max_tokens: -3 must be >= 1"),
+        ({"text_input": "hi", "max_tokens": 5000}, "max_tokens: 5000"),
+        ({"text_input": "hi", "max_tokens": 8.5}, "max_tokens"),
+        ({"text_input": "hi", "max_tokens": 8, "top_p": 7.0}, "runtime_top_p: 7.0 must be in [0, 1]"),
+    ],
+)
+def test_bad_http_inputs_name_the_field_and_the_server_keeps_serving(server, body, message):
+    status, text = http_post(f"http://{server.http_url}/v2/models/ensemble/generate", body)
+    assert status == 400 and message in text, text
+    assert stream(server.grpc_url, "ensemble", PROMPTS[0], 4).text
+
+
+def test_non_utf8_prompt_and_wrong_dtype_over_grpc(server):
+    with pytest.raises(StreamError, match=r"text_input: not valid UTF-8 \(byte 0xff at offset 2\)"):
+        stream(server.grpc_url, "ensemble", b"hi\xff", 4)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = build_inputs("hi", 4, stream=False)
+    bad = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+    bad.set_data_from_numpy(np.array([[4.0]], dtype=np.float32))
+    with pytest.raises(InferenceServerException, match="max_tokens"):
+        client.infer("aggregated", [inputs[0], bad, inputs[2]])
+    assert stream(server.grpc_url, "ensemble", PROMPTS[0], 4).text
+
+
+def engine_inputs(prompt_ids: list[int], params: bytes) -> list[grpcclient.InferInput]:
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    return [
+        tensor("input_ids", np.array([prompt_ids], dtype=np.int32), "INT32"),
+        tensor("input_lengths", np.array([[len(prompt_ids)]], dtype=np.int32), "INT32"),
+        tensor("request_output_len", np.array([[4]], dtype=np.int32), "INT32"),
+        tensor("context_phase_params", np.frombuffer(params, dtype=np.uint8).reshape(1, -1), "UINT8"),
+    ]
+
+
+def call_engine(server, model: str, inputs, request_type: str) -> list:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    out: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: out.put((result, error)))
+    client.async_stream_infer(model, inputs, parameters={"request_type": request_type}, enable_empty_final_response=True)
+    got = []
+    while True:
+        result, error = out.get(timeout=30)
+        got.append((result, error))
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return got
+
+
+def test_forged_and_stale_context_phase_params_sent_to_decode(server):
+    ids = [0, 41, 273, 77, 80]
+    forged = call_engine(server, "decode", engine_inputs(ids, b"DCPP\x01\x00{not json"), "generation_only")
+    assert "context_phase_params: malformed blob" in forged[-1][1].message()
+    garbage = call_engine(server, "decode", engine_inputs(ids, b"\x00" * 40), "generation_only")
+    assert "context_phase_params: not a handoff blob" in garbage[-1][1].message()
+
+    ctx = call_engine(server, "prefill", engine_inputs(ids, b"")[:3], "context_only")
+    params = ctx[0][0].as_numpy("context_phase_params").tobytes()
+    first = call_engine(server, "decode", engine_inputs(ids, params), "generation_only")
+    assert first[-1][1] is None
+    stale = call_engine(server, "decode", engine_inputs(ids, params), "generation_only")
+    assert "context_phase_params: stale handoff" in stale[-1][1].message()
+    bad_type = call_engine(server, "decode", engine_inputs(ids, params), "context_then_maybe")
+    assert "request_type: 'context_then_maybe' is not one of" in bad_type[-1][1].message()
+    assert stream(server.grpc_url, "ensemble", PROMPTS[0], 4).text
+
+
+def test_cancelled_stream_frees_its_kv(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer("ensemble", build_inputs(PROMPTS[7], 250), enable_empty_final_response=True)
+    for _ in range(3):
+        result, error = got.get(timeout=30)
+        assert error is None
+    assert kv_in_use(server)["decode"] > 0
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
+    metrics = by_role(scrape(server.metrics_url))
+    assert metrics["disagg_orchestrator_cancelled_total"]["orchestrator-disaggregated"] >= 1
+
+
+def test_metrics_after_the_suite(server):
+    metrics = by_role(scrape(server.metrics_url))
+    assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
+    assert metrics["disagg_kv_blocks_total"] == {"prefill": 256, "decode": 640, "aggregated": 640}
+    assert metrics["disagg_kv_handoff_count_total"]["decode"] >= len(PROMPTS)
+    assert metrics["disagg_kv_handoff_bytes_total"]["decode"] > 0
+    assert metrics["disagg_ttft_seconds_count"]["orchestrator-disaggregated"] >= len(PROMPTS)
+    assert metrics["disagg_requests_in_flight"] == {"prefill": 0, "decode": 0, "aggregated": 0}
