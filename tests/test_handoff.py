@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import threading
 import time
-from multiprocessing import shared_memory
 
 import pytest
 from engine_helpers import EngineFactory
@@ -13,6 +12,7 @@ from disagg.engine.loop import EngineLoop
 from disagg.transfer.agent import TransferAgent
 from disagg.transfer.params import ContextParamsError, ContextPhaseParams
 from disagg.transfer.puller import KVPuller
+from disagg.transfer.shm import SharedPool
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +24,10 @@ class Prefill:
     """A prefill engine whose KV pool is a shared-memory segment, with its transfer agent."""
 
     def __init__(self, engine_dir, transport="shm", lease_s=30.0):
-        self.segment = None
-
-        def shm_pool(nbytes):
-            self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
-            return self.segment.buf
-
-        engine = LLMEngine(engine_dir, kv_buffer=shm_pool if transport == "shm" else None)
+        self.pool = SharedPool()
+        engine = LLMEngine(engine_dir, kv_buffer=self.pool.allocate if transport == "shm" else None)
         self.loop = EngineLoop(engine)
-        self.agent = TransferAgent(self.loop, transport, self.segment.name if self.segment else "", lease_s=lease_s)
+        self.agent = TransferAgent(self.loop, transport, self.pool.name, lease_s=lease_s)
 
     def context(self, req_id, prompt, max_new) -> ContextPhaseParams:
         done = threading.Event()
@@ -49,8 +44,7 @@ class Prefill:
     def close(self):
         self.agent.close()
         self.loop.stop()
-        if self.segment is not None:
-            self.segment.unlink()
+        self.pool.unlink()
 
 
 PROMPT = tuple(range(3, 43))

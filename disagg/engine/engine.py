@@ -226,7 +226,7 @@ class LLMEngine:
         ctx = seq.request.context
         m = self.config.mapping
         for rank in range(m.world_size):
-            self.kv.scatter(rank, seq.block_table, 0, ctx.kv.for_rank(m, rank))
+            self.kv.scatter(rank, seq.block_table, ctx.kv.for_rank(m, rank))
         seq.num_cached = ctx.kv.num_tokens
         seq.tokens.append(ctx.first_token)
         seq.num_generated = 1

@@ -102,11 +102,18 @@ class KVStorage:
         return np.asarray(block_table)[t // tokens_per_block], t % tokens_per_block
 
     def gather(self, rank: int, block_table: list[int], num_tokens: int) -> np.ndarray:
-        """Tokens 0..num_tokens-1 of a sequence on one rank: [local_layers, 2, tokens, heads, head_dim]."""
-        blocks, offs = self.slots(block_table, 0, num_tokens, self.shapes[rank].tokens_per_block)
-        return self.ranks[rank][:, :, blocks, offs]
+        """A copy of tokens 0..num_tokens-1 of a sequence on one rank: [local_layers, 2, tokens, heads, head_dim].
 
-    def scatter(self, rank: int, block_table: list[int], start: int, kv: np.ndarray) -> None:
-        """Writes kv [local_layers, 2, tokens, heads, head_dim] at token positions start.. of a sequence."""
-        blocks, offs = self.slots(block_table, start, start + kv.shape[2], self.shapes[rank].tokens_per_block)
-        self.ranks[rank][:, :, blocks, offs] = kv
+        Whole blocks are copied (one contiguous run each), then the tail of the last one is cut off."""
+        arr = self.ranks[rank]
+        n_blocks = blocks_for(num_tokens, self.shapes[rank].tokens_per_block)
+        blocks = np.take(arr, block_table[:n_blocks], axis=2)  # [L, 2, n_blocks, tpb, H, D]
+        return blocks.reshape(arr.shape[0], 2, -1, *arr.shape[4:])[:, :, :num_tokens]
+
+    def scatter(self, rank: int, block_table: list[int], kv: np.ndarray) -> None:
+        """Writes kv [local_layers, 2, tokens, heads, head_dim] as tokens 0.. of a sequence, block by block."""
+        arr = self.ranks[rank]
+        tpb = self.shapes[rank].tokens_per_block
+        for i, block in enumerate(block_table[: blocks_for(kv.shape[2], tpb)]):
+            chunk = kv[:, :, i * tpb : (i + 1) * tpb]
+            arr[:, :, block, : chunk.shape[2]] = chunk

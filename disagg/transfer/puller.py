@@ -11,14 +11,13 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from multiprocessing.connection import Client, Connection
-
-import numpy as np
 
 from disagg.engine.kv_cache import KVShape, KVStorage
 from disagg.engine.kv_wire import SequenceKV
 from disagg.transfer.params import ContextParamsError, ContextPhaseParams
+from disagg.transfer.shm import attach
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class KVPuller:
             for r in range(lay.tp_size * lay.pp_size)
         ]
         pool = KVStorage(shapes, self._segment(p.shm_name).buf)
-        shards = tuple(np.array(pool.gather(r, list(p.block_ids), p.prompt_len)) for r in range(len(shapes)))
+        shards = tuple(pool.gather(r, list(p.block_ids), p.prompt_len) for r in range(len(shapes)))
         return SequenceKV(lay, p.prompt_len, shards)
 
     def _segment(self, name: str) -> shared_memory.SharedMemory:
@@ -64,11 +63,9 @@ class KVPuller:
             seg = self._segments.get(name)
             if seg is None:
                 try:
-                    seg = shared_memory.SharedMemory(name=name)
+                    seg = attach(name)
                 except FileNotFoundError:
                     raise ContextParamsError(f"context_phase_params: shared memory segment {name!r} does not exist") from None
-                # Attaching must not make this process the segment's owner: the prefill instance unlinks it.
-                resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001
                 self._segments[name] = seg
             return seg
 

@@ -15,7 +15,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -28,6 +27,7 @@ from disagg.triton.tensors import EngineCall, parse_engine_call
 from disagg.transfer.agent import TransferAgent
 from disagg.transfer.params import ContextParamsError, ContextPhaseParams
 from disagg.transfer.puller import KVPuller
+from disagg.transfer.shm import SharedPool
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -100,15 +100,11 @@ class TritonPythonModel:
         self.name = config["name"]
         self.role = model_param(args, "role")
         self.transport = model_param(args, "kv_transfer_backend")
-        self.segment = None
-        kv_buffer = None
+        self.pool = None
         if self.role == "prefill" and self.transport == "shm":
-            def kv_buffer(nbytes):
-                self.segment = shared_memory.SharedMemory(create=True, size=nbytes, name=f"disagg_{self.name}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-                return self.segment.buf
-
+            self.pool = SharedPool(f"disagg_{self.name}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         self.metrics = EngineMetrics(self.role, args["model_instance_name"])
-        engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=kv_buffer)
+        engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None)
         self.vocab_size = engine.config.model.vocab_size
         self.loop = EngineLoop(engine)
         self.agent = None
@@ -116,7 +112,7 @@ class TritonPythonModel:
             self.agent = TransferAgent(
                 self.loop,
                 transport=self.transport,
-                shm_name=self.segment.name if self.segment else "",
+                shm_name=self.pool.name if self.pool else "",
                 bind=model_param(args, "kv_bind_address"),
                 lease_s=float(model_param(args, "kv_lease_seconds")),
             )
@@ -225,5 +221,5 @@ class TritonPythonModel:
             self.agent.close()
         self.loop.stop()
         self.puller.close()
-        if self.segment is not None:
-            self.segment.unlink()
+        if self.pool is not None:
+            self.pool.unlink()

@@ -1,0 +1,212 @@
+"""Serving overheads, measured side by side in one run.
+
+1. Orchestration overhead on a real tritonserver (cpu-tiny): per-request latency through `ensemble`
+   (preprocessing -> BLS orchestrator -> prefill + decode -> postprocessing) against calling the
+   engine models directly with token ids (prefill context_only, then decode generation_only), and
+   `aggregated` against `aggregated_engine`. Streaming overhead per token = difference of the mean
+   gap between streamed responses.
+2. KV handoff bandwidth: `KVPuller.pull` (claim, read the prefill pool, ack) over shared memory and
+   over TCP, against a plain numpy copy of the same bytes, for prompts of the bench-100mb model.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from disagg.bench.engine import build_engine
+from disagg.engine.engine import LLMEngine, Request
+from disagg.engine.loop import EngineLoop
+from disagg.transfer.agent import TransferAgent
+from disagg.transfer.puller import KVPuller
+from disagg.transfer.shm import SharedPool
+
+
+def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+class Streamer:
+    """One gRPC stream reused for sequential requests; returns response arrival times."""
+
+    def __init__(self, url: str):
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((time.perf_counter(), result, error)))
+
+    def call(self, model: str, inputs, parameters=None) -> tuple[float, list[float], list]:
+        start = time.perf_counter()
+        self.client.async_stream_infer(model, inputs, parameters=parameters, enable_empty_final_response=True)
+        stamps, results = [], []
+        while True:
+            at, result, error = self.responses.get(timeout=60)
+            if error is not None:
+                raise RuntimeError(f"{model}: {error}")
+            if result.get_response().outputs:
+                stamps.append(at - start)
+                results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return time.perf_counter() - start, stamps, results
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def _text_inputs(prompt: str, max_tokens: int) -> list:
+    return [
+        _tensor("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
+        _tensor("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        _tensor("stream", np.array([[True]]), "BOOL"),
+    ]
+
+
+def _engine_inputs(ids: list[int], max_tokens: int, params: np.ndarray | None = None) -> list:
+    inputs = [
+        _tensor("input_ids", np.array([ids], dtype=np.int32), "INT32"),
+        _tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32), "INT32"),
+        _tensor("request_output_len", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        _tensor("end_id", np.array([[1]], dtype=np.int32), "INT32"),
+        _tensor("streaming", np.array([[True]]), "BOOL"),
+    ]
+    if params is not None:
+        inputs.append(_tensor("context_phase_params", params.reshape(1, -1), "UINT8"))
+    return inputs
+
+
+def orchestration_overhead(requests: int, max_tokens: int) -> list[str]:
+    from disagg.cli import build
+    from disagg.serve.server import TritonServer
+    from disagg.spec import load_spec
+    from disagg.text import load_tokenizer
+
+    spec = load_spec("configs/cpu-tiny.yaml")
+    build(spec, log=lambda _msg: None)
+    tokenizer = load_tokenizer(spec.model.path)
+    prompt = "It was the best of times, it was the worst of times, it was the age of wisdom"
+    ids = [0, *tokenizer.encode(prompt, add_special_tokens=False).ids]
+    paths = {
+        "ensemble (disaggregated)": lambda s: s.call("ensemble", _text_inputs(prompt, max_tokens)),
+        "prefill + decode, direct": lambda s: _direct_disaggregated(s, ids, max_tokens),
+        "aggregated (ensemble)": lambda s: s.call("aggregated", _text_inputs(prompt, max_tokens)),
+        "aggregated_engine, direct": lambda s: s.call("aggregated_engine", _engine_inputs(ids, max_tokens)),
+    }
+    stats = {}
+    with TritonServer(spec.model_repository, log_path=Path("build/bench-serving.log")) as server:
+        streamer = Streamer(server.grpc_url)
+        try:
+            for name, run in paths.items():
+                for _ in range(5):
+                    run(streamer)  # warm-up: connections, first-call imports
+                e2e, gaps, ttft = [], [], []
+                for _ in range(requests):
+                    total, stamps, _ = run(streamer)
+                    e2e.append(total)
+                    ttft.append(stamps[0])
+                    gaps += list(np.diff(stamps))
+                stats[name] = (np.percentile(e2e, 50), np.percentile(ttft, 50), float(np.mean(gaps)) if gaps else 0.0, len(stamps))
+        finally:
+            streamer.close()
+    lines = [f"orchestration overhead ({requests} sequential requests per path, {max_tokens} max tokens, p50):",
+             f"  {'path':<28}{'E2E ms':>9}{'TTFT ms':>9}{'mean gap ms':>13}{'responses':>11}"]
+    for name, (e2e, ttft, gap, n) in stats.items():
+        lines.append(f"  {name:<28}{e2e * 1e3:>9.2f}{ttft * 1e3:>9.2f}{gap * 1e3:>13.3f}{n:>11}")
+    for front, direct in (("ensemble (disaggregated)", "prefill + decode, direct"), ("aggregated (ensemble)", "aggregated_engine, direct")):
+        (fe, ft, fg, _), (de, dt, dg, _) = stats[front], stats[direct]
+        lines.append(f"  {front} vs {direct}: E2E +{(fe - de) * 1e3:.2f} ms ({fe / de:.2f}x), TTFT +{(ft - dt) * 1e3:.2f} ms, per token +{(fg - dg) * 1e3:.3f} ms")
+    return lines
+
+
+def _direct_disaggregated(streamer: Streamer, ids: list[int], max_tokens: int):
+    """The client does the orchestrator's job: context_only on prefill, then generation_only on decode."""
+    t0 = time.perf_counter()
+    _, stamps, results = streamer.call("prefill", _engine_inputs(ids, max_tokens), {"request_type": "context_only"})
+    params = results[-1].as_numpy("context_phase_params")
+    _, more, _ = streamer.call("decode", _engine_inputs(ids, max_tokens, params), {"request_type": "generation_only"})
+    offset = stamps[-1]
+    return time.perf_counter() - t0, [stamps[0], *(offset + s for s in more)], None
+
+
+def handoff_bandwidth(root: Path, prompt_lens: list[int], repeats: int) -> list[str]:
+    engine_dir = build_engine(root, "bench-100mb", 4, max(prompt_lens), 2)
+    lines = ["KV handoff bandwidth (bench-100mb: 8 layers x 4 KV heads x 64, fp32; median of "
+             f"{repeats}; pull = claim + read the blocks + ack):",
+             f"  {'prompt':>7}{'KV MB':>8}{'shm MB/s':>10}{'tcp MB/s':>10}{'memcpy MB/s':>13}{'copy MB/s':>12}"
+             f"{'shm/memcpy':>12}{'shm/copy':>11}{'tcp/copy':>11}",
+             "  memcpy = np.copyto into a reused buffer (no page faults); copy = np.copy into a new buffer, as a pull allocates"]
+    for tokens in prompt_lens:
+        rates = {}
+        for transport in ("shm", "tcp"):
+            with _prefill(engine_dir, transport) as (loop, agent):
+                puller = KVPuller()
+                seconds, nbytes = [], 0
+                for i in range(repeats + 1):
+                    params = _context(loop, agent, f"{transport}-{tokens}-{i}", tokens)
+                    pulled = puller.pull(params)
+                    if i:  # the first pull opens the connection and maps the segment
+                        seconds.append(pulled.seconds)
+                    nbytes = pulled.nbytes
+                puller.close()
+            rates[transport] = nbytes / float(np.median(seconds))
+        src = np.ones(nbytes // 4, dtype=np.float32)
+        dst = np.empty_like(src)
+        memcpy = nbytes / _median_seconds(lambda: np.copyto(dst, src), repeats)
+        fresh = nbytes / _median_seconds(src.copy, repeats)
+        lines.append(
+            f"  {tokens:>7}{nbytes / 1e6:>8.2f}{rates['shm'] / 1e6:>10.0f}{rates['tcp'] / 1e6:>10.0f}{memcpy / 1e6:>13.0f}{fresh / 1e6:>12.0f}"
+            f"{rates['shm'] / memcpy:>12.2f}{rates['shm'] / fresh:>11.2f}{rates['tcp'] / fresh:>11.2f}"
+        )
+    return lines
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+@contextlib.contextmanager
+def _prefill(engine_dir: Path, transport: str):
+    pool = SharedPool()
+    loop = EngineLoop(LLMEngine(engine_dir, kv_buffer=pool.allocate if transport == "shm" else None))
+    agent = TransferAgent(loop, transport, pool.name)
+    try:
+        yield loop, agent
+    finally:
+        agent.close()
+        loop.stop()
+        pool.unlink()
+
+
+def _context(loop: EngineLoop, agent: TransferAgent, req_id: str, tokens: int):
+    done, first = threading.Event(), []
+    prompt = tuple(int(t) for t in np.random.default_rng(tokens).integers(2, 4000, tokens))
+    loop.submit(Request(req_id, prompt, 2, "context_only"), lambda o: (first.append(o.token), done.set()))
+    done.wait(60)
+    return agent.hold(req_id, first[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m disagg.bench serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=50, help="sequential requests per path")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--root", type=Path, default=Path("build"))
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    for line in handoff_bandwidth(args.root, [64, 256, 1024], args.repeats):
+        print(line)
+    print()
+    for line in orchestration_overhead(args.requests, args.max_tokens):
+        print(line)
+    return 0
