@@ -29,6 +29,14 @@ TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "python"
 ENGINE_MODELS = {"prefill": "prefill", "decode": "decode", "aggregated": "aggregated_engine"}
 
 
+def decode_models(spec: DeploymentSpec) -> list[str]:
+    """Reference backend: one decode model per decode instance, so the orchestrator can pick one by load
+    (Triton's own scheduler would pick an instance of one model round-robin). The tensorrtllm backend
+    keeps one model whose instances are its `gpu_device_ids` groups."""
+    count = spec.roles["decode"].instances if spec.backend == "reference" else 1
+    return ["decode"] + [f"decode_{i}" for i in range(1, count)]
+
+
 class RenderError(ValueError):
     """A rendered file is invalid; the message names the model."""
 
@@ -122,19 +130,22 @@ def _engine_models(spec: DeploymentSpec) -> list[Model]:
 
         return [Model(ENGINE_MODELS[role], render_engine_config(spec, role)) for role in spec.roles]
     kv = spec.kv_transfer
-    return [
-        _python_model(
-            ENGINE_MODELS[role.name], "engine.pbtxt.j2", "engine_model", role=role,
-            parameters={
-                "engine_dir": repo_relative(spec, engine_dir(spec, role.name)),
-                "role": role.name,
-                "kv_transfer_backend": kv.backend,
-                "kv_lease_seconds": kv.lease_seconds,
-                "kv_bind_address": kv.bind_address,
-            },
-        )
-        for role in spec.roles.values()
-    ]
+    models = []
+    for role in spec.roles.values():
+        names = decode_models(spec) if role.name == "decode" else [ENGINE_MODELS[role.name]]
+        instances = 1 if role.name == "decode" else role.instances
+        for name in names:
+            models.append(_python_model(
+                name, "engine.pbtxt.j2", "engine_model", role=role, instances=instances,
+                parameters={
+                    "engine_dir": repo_relative(spec, engine_dir(spec, role.name)),
+                    "role": role.name,
+                    "kv_transfer_backend": kv.backend,
+                    "kv_lease_seconds": kv.lease_seconds,
+                    "kv_bind_address": kv.bind_address,
+                },
+            ))
+    return models
 
 
 def _entry_models(spec: DeploymentSpec) -> list[Model]:
@@ -149,7 +160,8 @@ def _entry_models(spec: DeploymentSpec) -> list[Model]:
     paths = []
     if spec.disaggregated:
         paths.append(("ensemble", "disagg_orchestrator", {
-            "mode": "disaggregated", "context_model_name": "prefill", "generation_model_name": "decode",
+            "mode": "disaggregated", "context_model_name": "prefill",
+            "generation_model_name": ",".join(decode_models(spec)),
         }))
     if "aggregated" in spec.roles:
         paths.append(("aggregated", "aggregated_orchestrator", {

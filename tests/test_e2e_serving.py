@@ -5,6 +5,7 @@ first-token timing, bad inputs, cancellation, and the KV pool back at zero after
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -15,8 +16,10 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import yaml
 from tritonclient.utils import InferenceServerException
 
+from disagg.cli import main
 from disagg.serve.metrics import by_role, scrape
 from tools.stream_client import StreamError, build_inputs, stream
 
@@ -245,3 +248,27 @@ def test_metrics_after_the_suite(server):
     assert metrics["disagg_kv_handoff_bytes_total"]["decode"] > 0
     assert metrics["disagg_ttft_seconds_count"]["orchestrator-disaggregated"] >= len(PROMPTS)
     assert metrics["disagg_requests_in_flight"] == {"prefill": 0, "decode": 0, "aggregated": 0}
+
+
+def test_two_decode_instances_share_the_load(new_project, start_triton):
+    """decode instances: 2 renders decode and decode_1; concurrent requests land on both, by load."""
+    project = new_project("two-decoders")
+    spec_path = project / "configs" / "cpu-tiny.yaml"
+    raw = yaml.safe_load(spec_path.read_text())
+    raw["roles"]["decode"]["instances"] = 2
+    del raw["roles"]["aggregated"]
+    spec_path.write_text(yaml.safe_dump(raw))
+    with contextlib.chdir(project):
+        assert main(["--config", "configs/cpu-tiny.yaml"]) == 0
+    server = start_triton(project / "model_repository")
+    try:
+        threads = [threading.Thread(target=stream, args=(server.grpc_url, "ensemble", f"{PROMPTS[0]} {i}", 40)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        counts = {m: int(client.get_inference_statistics(m, as_json=True)["model_stats"][0]["inference_count"]) for m in ("decode", "decode_1")}
+        assert counts["decode"] + counts["decode_1"] == 8 and min(counts.values()) >= 2, counts
+    finally:
+        server.stop()

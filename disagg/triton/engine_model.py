@@ -21,8 +21,9 @@ import triton_python_backend_utils as pb_utils
 
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.loop import EngineLoop
+from disagg.triton import load_board
 from disagg.triton.metrics import EngineMetrics
-from disagg.triton.paths import model_param, resolve_path
+from disagg.triton.paths import model_param, repository_root, resolve_path
 from disagg.triton.tensors import EngineCall, parse_engine_call
 from disagg.transfer.agent import TransferAgent
 from disagg.transfer.params import ContextParamsError, ContextPhaseParams
@@ -103,7 +104,9 @@ class TritonPythonModel:
         self.pool = None
         if self.role == "prefill" and self.transport == "shm":
             self.pool = SharedPool(f"disagg_{self.name}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-        self.metrics = EngineMetrics(self.role, args["model_instance_name"])
+        self.instance = args["model_instance_name"]
+        self.board_key = load_board.board_key(repository_root(args))
+        self.metrics = EngineMetrics(self.role, self.instance)
         engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None)
         self.vocab_size = engine.config.model.vocab_size
         self.loop = EngineLoop(engine)
@@ -206,16 +209,19 @@ class TritonPythonModel:
             return self.streams.pop(req_id, None)
 
     def _refresh_metrics(self, period_s: float = 0.1) -> None:
-        """Gauges follow the pool whatever changed it: a step, an ack, a lease expiry, a cancel."""
+        """Gauges and the load board follow the pool whatever changed it: a step, an ack, a lease expiry, a cancel."""
         reclaimed = 0
         while not self._closed.wait(period_s):
-            self.metrics.update(self.loop.stats(), self.agent.num_held if self.agent else 0)
+            stats = self.loop.stats()
+            self.metrics.update(stats, self.agent.num_held if self.agent else 0)
+            load_board.publish(self.board_key, self.name, self.instance, stats.in_flight, stats.blocks_total - stats.blocks_used)
             if self.agent is not None and self.agent.reclaimed > reclaimed:
                 self.metrics.reclaimed.increment(self.agent.reclaimed - reclaimed)
                 reclaimed = self.agent.reclaimed
 
     def finalize(self):
         self._closed.set()
+        load_board.withdraw(self.board_key, self.name, self.instance)
         self.pulls.shutdown(wait=False, cancel_futures=True)
         if self.agent is not None:
             self.agent.close()

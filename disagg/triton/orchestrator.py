@@ -5,6 +5,8 @@ token away, this one:
 - serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`;
 - streams the context phase's first token the moment prefill returns it (TTFT = prefill), and asks
   decode only for the tokens after it, so nothing is duplicated;
+- sends decode to the least loaded decode model (fewest sequences in flight, then most free KV
+  blocks, as the engines publish on the load board);
 - gives each hop a deadline (`prefill_timeout_s`, `decode_timeout_s`: longest wait for the next
   response) with an error that names the hop;
 - on client cancellation, a hop error or a timeout, sends `stop` for the request id to the engines,
@@ -28,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from disagg.triton import load_board
 from disagg.triton.metrics import TTFT_BUCKETS, Metrics
-from disagg.triton.paths import model_param
+from disagg.triton.paths import model_param, repository_root
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
@@ -142,8 +145,12 @@ class TritonPythonModel:
         self.mode = model_param(args, "mode")
         if self.mode == "aggregated":
             self.engines = [model_param(args, "aggregated_model_name")]
+            self.decoders = []
         else:
-            self.engines = [model_param(args, "context_model_name"), model_param(args, "generation_model_name")]
+            self.decoders = model_param(args, "generation_model_name").split(",")
+            self.engines = [model_param(args, "context_model_name"), *self.decoders]
+        self.board_key = load_board.board_key(repository_root(args))
+        self.dispatched: dict[str, int] = {}
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
         self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
@@ -192,7 +199,7 @@ class TritonPythonModel:
             self._track(-1)
 
     def _disaggregated(self, request_id: str, inputs: list, client: ClientStream, sender, arrival: float) -> None:
-        prefill, decode = self.engines
+        prefill = self.engines[0]
         context = list(Hop(prefill, inputs, request_id, "context_only").results(self.prefill_timeout_s, sender.is_cancelled))
         if not context:
             raise HopError(f"{prefill}: no context-phase response")
@@ -203,9 +210,16 @@ class TritonPythonModel:
             return
         if sender.is_cancelled():
             raise Cancelled()
-        hop = Hop(decode, [*inputs, pb_utils.Tensor("context_phase_params", params.reshape(1, -1))], request_id, "generation_only")
-        for tokens, _ in hop.results(self.decode_timeout_s, sender.is_cancelled):
-            client.emit(tokens)
+        with self._lock:
+            decode = load_board.least_loaded(self.board_key, self.decoders, self.dispatched)
+            self.dispatched[decode] = self.dispatched.get(decode, 0) + 1
+        try:
+            hop = Hop(decode, [*inputs, pb_utils.Tensor("context_phase_params", params.reshape(1, -1))], request_id, "generation_only")
+            for tokens, _ in hop.results(self.decode_timeout_s, sender.is_cancelled):
+                client.emit(tokens)
+        finally:
+            with self._lock:
+                self.dispatched[decode] -= 1
 
     def _stop_everywhere(self, request_id: str) -> None:
         """Frees the request's KV in every engine it may have touched (a no-op where it is gone)."""
