@@ -55,7 +55,7 @@ def test_h200_prefill_and_decode_configs(h200):
         assert params["cancellation_check_period_ms"] == "20"
         assert params["batch_scheduler_policy"] == "guaranteed_no_evict"
     assert (prefill.max_batch_size, decode.max_batch_size) == (8, 256)
-    assert prefill.model_transaction_policy.decoupled is False
+    assert prefill.model_transaction_policy.decoupled is True
     assert decode.model_transaction_policy.decoupled is True
     assert list(prefill.dynamic_batching.preferred_batch_size) == [8]
 
@@ -99,10 +99,6 @@ def test_aggregated_engine_shares_the_world_under_the_repository_name(tmp_path):
     assert (_params(config)["gpu_device_ids"], _params(config)["participant_ids"]) == ("6,7", "7,8")
     segments = _mpirun_segments(render_launch_script(spec)["launch.sh"])
     assert [a for a in segments[-1] if a.startswith("--load-model=")] == ["--load-model=aggregated_engine"]
-
-
-def test_prefill_can_be_rendered_decoupled(h200):
-    assert _parse(render_engine_config(h200, "prefill", decoupled=True)).model_transaction_policy.decoupled
 
 
 def test_two_pools_ids_restart_in_each_pool(tmp_path):

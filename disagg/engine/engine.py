@@ -29,8 +29,8 @@ from disagg.engine.kv_wire import KVLayout, SequenceKV
 from disagg.engine.llama import LlamaModel, StepInput
 from disagg.engine.sampling import SamplingParams, sample
 from disagg.engine.weights import read_rank
+from disagg.triton.contract import REQUEST_TYPES
 
-REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
 
 
 class RequestError(ValueError):

@@ -1,3 +1,5 @@
-"""Triton Python-backend models. Each module holds plain, unit-testable logic plus a `TritonPythonModel`
-that the repository's `<model>/1/model.py` shim imports; `triton_python_backend_utils` is imported inside
-its methods because it exists only in the backend stub."""
+"""Triton Python-backend models and the Triton-free pieces they share.
+
+Model modules (`preprocessing`, `postprocessing`, `engine_model`, `orchestrator`) are imported by the
+repository's `<model>/1/model.py` shims inside the backend stub, where `triton_python_backend_utils`
+exists; `contract`, `tensors`, `paths` and `load_board` import without it and are unit-tested directly."""

@@ -31,12 +31,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg.triton import load_board
+from disagg.triton.contract import FORWARDED_INPUTS, OUTPUTS_READ
 from disagg.triton.metrics import TTFT_BUCKETS, Metrics
 from disagg.triton.paths import model_param, repository_root
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
-FORWARDED = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "temperature", "runtime_top_k", "runtime_top_p", "seed")
 _DONE = object()
 
 
@@ -62,7 +62,7 @@ class Hop:
             model_name=model,
             inputs=inputs,
             request_id=request_id,
-            requested_output_names=["output_ids", "context_phase_params"],
+            requested_output_names=list(OUTPUTS_READ),
             parameters={"request_type": request_type},
         )
         threading.Thread(target=self._run, args=(request,), name=f"hop-{model}", daemon=True).start()
@@ -165,7 +165,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             # Inputs are copied here: a request's tensors are released once execute returns.
-            tensors = {n: pb_utils.get_input_tensor_by_name(request, n) for n in (*FORWARDED, "streaming")}
+            tensors = {n: pb_utils.get_input_tensor_by_name(request, n) for n in (*FORWARDED_INPUTS, "streaming")}
             arrays = {n: t.as_numpy().copy() for n, t in tensors.items() if t is not None}
             self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
         return None

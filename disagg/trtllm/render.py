@@ -156,9 +156,9 @@ def _ids(groups: list[tuple[int, ...]]) -> str:
     return ";".join(",".join(map(str, group)) for group in groups)
 
 
-def render_engine_config(spec: DeploymentSpec, role_name: str, *, decoupled: bool | None = None) -> str:
-    """config.pbtxt of one role's model; decoupled (streaming) by default for every role but prefill,
-    whose context-only requests get exactly one response."""
+def render_engine_config(spec: DeploymentSpec, role_name: str) -> str:
+    """config.pbtxt of one role's model; decoupled by default for every role, prefill included: the
+    orchestrator calls every engine slot with exec(decoupled=True), whichever backend fills it."""
     role = role_spec(spec, role_name)
     check_spec(spec)
     mine = [x for x in mpi_world(spec, role.node) if x.role == role_name]
@@ -178,7 +178,7 @@ def render_engine_config(spec: DeploymentSpec, role_name: str, *, decoupled: boo
         source=spec.source or spec.name,
         name=ENGINE_MODELS[role_name],
         role=role,
-        decoupled=role_name != "prefill" if decoupled is None else decoupled,
+        decoupled=True,
         inputs=INPUTS,
         outputs=OUTPUTS,
         parameters=parameters,
