@@ -5,9 +5,9 @@ Every series carries `role` and `instance` labels, so a user sees which side is 
     disagg_requests_in_flight / disagg_queue_depth        gauges (queue depth = waiting for KV blocks or a batch slot)
     disagg_kv_handoff_bytes_total / _seconds_total / _count_total / _reclaimed_total   counters
     disagg_ttft_seconds                                   histogram, as the orchestrator sees it
-The families are kept on the object: a Metric dies with its MetricFamily. Updates are serialised
-by one lock per process: concurrent metric calls from many request threads crash Triton 2.51's
-python backend (a segfault in libtriton_python.so, seen with 8+ concurrent orchestrated streams).
+The families are kept on the object: a Metric dies with its MetricFamily. Updates hold STUB_LOCK:
+concurrent calls into the stub from many request threads crash Triton 2.51's python backend (a
+segfault in libtriton_python.so, seen with 8+ concurrent orchestrated streams).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-_UPDATE_LOCK = threading.Lock()
+# Serialises this process's calls into the backend stub (metrics, BLS, response senders).
+STUB_LOCK = threading.RLock()
 
 
 class _Serialized:
@@ -25,15 +26,15 @@ class _Serialized:
         self._metric = metric
 
     def set(self, value: float) -> None:
-        with _UPDATE_LOCK:
+        with STUB_LOCK:
             self._metric.set(value)
 
     def increment(self, value: float) -> None:
-        with _UPDATE_LOCK:
+        with STUB_LOCK:
             self._metric.increment(value)
 
     def observe(self, value: float) -> None:
-        with _UPDATE_LOCK:
+        with STUB_LOCK:
             self._metric.observe(value)
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]

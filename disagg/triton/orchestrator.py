@@ -32,12 +32,14 @@ import triton_python_backend_utils as pb_utils
 
 from disagg.triton import load_board
 from disagg.triton.contract import FORWARDED_INPUTS, OUTPUTS_READ
-from disagg.triton.metrics import TTFT_BUCKETS, Metrics
+from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics
 from disagg.triton.paths import model_param, repository_root
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
 _DONE = object()
+_EMPTY = object()
+CANCEL_CHECK_S = 0.05
 
 
 class HopError(RuntimeError):
@@ -48,58 +50,87 @@ class Cancelled(Exception):
     pass
 
 
-def _scalar(name: str, value, dtype) -> pb_utils.Tensor:
-    return pb_utils.Tensor(name, np.asarray([[value]], dtype=dtype))
+def _scalar(value, dtype) -> np.ndarray:
+    return np.asarray([[value]], dtype=dtype)
 
 
 class Hop:
-    """One BLS call to an engine, its responses delivered through a queue so the caller can time out."""
+    """One BLS call to an engine on its own thread, results handed over through a queue so the caller
+    can time out and notice cancellation while the engine works.
 
-    def __init__(self, model: str, inputs: list, request_id: str, request_type: str):
+    Every Triton object of the call (input tensors, the request, its responses) is created, read and
+    released on the hop's thread; only plain numpy data crosses threads. Handing pb_utils responses from
+    one thread to another corrupted the stub's heap under concurrent streams (Triton 2.51)."""
+
+    def __init__(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
         self.model = model
-        self.responses: queue.Queue = queue.Queue()
-        request = pb_utils.InferenceRequest(
-            model_name=model,
-            inputs=inputs,
-            request_id=request_id,
-            requested_output_names=list(OUTPUTS_READ),
-            parameters={"request_type": request_type},
-        )
-        threading.Thread(target=self._run, args=(request,), name=f"hop-{model}", daemon=True).start()
+        self.results_queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, args=(inputs, request_id, request_type), name=f"hop-{model}", daemon=True).start()
 
-    def _run(self, request) -> None:
+    def _run(self, inputs: dict[str, np.ndarray], request_id: str, request_type: str) -> None:
         try:
-            for response in request.exec(decoupled=True):
-                self.responses.put(response)
+            with STUB_LOCK:
+                request = pb_utils.InferenceRequest(
+                    model_name=self.model,
+                    inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
+                    request_id=request_id,
+                    requested_output_names=list(OUTPUTS_READ),
+                    parameters={"request_type": request_type},
+                )
+                responses = iter(request.exec(decoupled=True))
+            while True:
+                try:
+                    response = next(responses)  # blocks until the engine answers: outside the lock
+                except StopIteration:
+                    break
+                with STUB_LOCK:
+                    self.results_queue.put(self._read(response))
+                    del response
+            with STUB_LOCK:
+                del responses, request
         except Exception as exc:  # noqa: BLE001 - surfaced to the waiting request thread
-            self.responses.put(HopError(f"{self.model}: {exc}"))
-        self.responses.put(_DONE)
+            self.results_queue.put(HopError(f"{self.model}: {exc}"))
+        self.results_queue.put(_DONE)
+
+    @staticmethod
+    def _read(response):
+        """(tokens, context_phase_params or None), _EMPTY for an empty final response, or a HopError."""
+        if response.has_error():
+            return HopError(response.error().message())
+        ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
+        params = pb_utils.get_output_tensor_by_name(response, "context_phase_params")
+        if ids is None and params is None:
+            return _EMPTY
+        tokens = [] if ids is None else ids.as_numpy().reshape(-1).tolist()
+        return tokens, (None if params is None else params.as_numpy().copy())
 
     def results(self, timeout_s: float, cancelled):
         """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms."""
         deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic() + CANCEL_CHECK_S
         while True:
             try:
-                item = self.responses.get(timeout=0.05)
+                item = self.results_queue.get(timeout=CANCEL_CHECK_S)
             except queue.Empty:
-                if cancelled():
-                    raise Cancelled() from None
-                if time.monotonic() > deadline:
-                    raise HopError(f"{self.model}: no response within {timeout_s:g} s") from None
+                item = None
+            now = time.monotonic()
+            if now >= next_check:  # asking is an IPC round trip: at most every CANCEL_CHECK_S, tokens or not
+                next_check = now + CANCEL_CHECK_S
+                with STUB_LOCK:
+                    is_cancelled = cancelled()
+                if is_cancelled:
+                    raise Cancelled()
+            if item is None:
+                if now > deadline:
+                    raise HopError(f"{self.model}: no response within {timeout_s:g} s")
                 continue
             if item is _DONE:
                 return
             if isinstance(item, Exception):
                 raise item
-            if item.has_error():
-                raise HopError(item.error().message())
-            deadline = time.monotonic() + timeout_s
-            ids = pb_utils.get_output_tensor_by_name(item, "output_ids")
-            params = pb_utils.get_output_tensor_by_name(item, "context_phase_params")
-            if ids is None and params is None:
-                continue
-            tokens = [] if ids is None else ids.as_numpy().reshape(-1).tolist()
-            yield tokens, (None if params is None else params.as_numpy())
+            deadline = now + timeout_s
+            if item is not _EMPTY:
+                yield item
 
 
 class ClientStream:
@@ -119,22 +150,25 @@ class ClientStream:
     def _send(self, start: int, flags: int) -> None:
         prefix = max(0, start - PREFIX_TOKENS)
         ids = self.tokens[prefix:]
-        outputs = [
-            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
-            pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
-            pb_utils.Tensor("prefix_length", np.asarray([[start - prefix]], dtype=np.int32)),
-        ]
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+        with STUB_LOCK:
+            outputs = [
+                pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
+                pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
+                pb_utils.Tensor("prefix_length", np.asarray([[start - prefix]], dtype=np.int32)),
+            ]
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
         self.sent = len(self.tokens)
 
     def finish(self) -> None:
-        if not self.streaming and self.tokens:
-            self._send(0, flags=FINAL)
+        if self.streaming:
+            with STUB_LOCK:
+                self.sender.send(flags=FINAL)
         else:
-            self.sender.send(flags=FINAL)
+            self._send(0, flags=FINAL)  # the whole answer in one response, even when it is empty
 
     def fail(self, message: str) -> None:
-        self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+        with STUB_LOCK:
+            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
 
 
 class TritonPythonModel:
@@ -163,20 +197,24 @@ class TritonPythonModel:
         self._lock = threading.Lock()
 
     def execute(self, requests):
+        with STUB_LOCK:
+            self._accept(requests)
+        return None
+
+    def _accept(self, requests) -> None:
         for request in requests:
             # Inputs are copied here: a request's tensors are released once execute returns.
             tensors = {n: pb_utils.get_input_tensor_by_name(request, n) for n in (*FORWARDED_INPUTS, "streaming")}
             arrays = {n: t.as_numpy().copy() for n, t in tensors.items() if t is not None}
+            del tensors
             self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
-        return None
 
     def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
         self._track(+1)
         request_id = uuid.uuid4().hex
         streaming = arrays.pop("streaming", None)
         client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]))
-        inputs = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
-        inputs.append(_scalar("streaming", True, np.bool_))
+        inputs = {**arrays, "streaming": _scalar(True, np.bool_)}
         try:
             if self.mode == "aggregated":
                 hop = Hop(self.engines[0], inputs, request_id, "context_and_generation")
@@ -198,11 +236,11 @@ class TritonPythonModel:
         finally:
             self._track(-1)
 
-    def _disaggregated(self, request_id: str, inputs: list, client: ClientStream, sender, arrival: float) -> None:
+    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, sender, arrival: float) -> None:
         prefill = self.engines[0]
         context = list(Hop(prefill, inputs, request_id, "context_only").results(self.prefill_timeout_s, sender.is_cancelled))
-        if not context:
-            raise HopError(f"{prefill}: no context-phase response")
+        if not context:  # the first token was end_id: the request is complete and empty
+            return
         tokens, params = context[-1]
         client.emit(tokens)
         self.ttft.observe(time.monotonic() - arrival)
@@ -214,7 +252,7 @@ class TritonPythonModel:
             decode = load_board.least_loaded(self.board_key, self.decoders, self.dispatched)
             self.dispatched[decode] = self.dispatched.get(decode, 0) + 1
         try:
-            hop = Hop(decode, [*inputs, pb_utils.Tensor("context_phase_params", params.reshape(1, -1))], request_id, "generation_only")
+            hop = Hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only")
             for tokens, _ in hop.results(self.decode_timeout_s, sender.is_cancelled):
                 client.emit(tokens)
         finally:
@@ -223,11 +261,11 @@ class TritonPythonModel:
 
     def _stop_everywhere(self, request_id: str) -> None:
         """Frees the request's KV in every engine it may have touched (a no-op where it is gone)."""
-        stop = [
-            _scalar("input_lengths", 0, np.int32),
-            _scalar("request_output_len", 1, np.int32),
-            _scalar("stop", True, np.bool_),
-        ]
+        stop = {
+            "input_lengths": _scalar(0, np.int32),
+            "request_output_len": _scalar(1, np.int32),
+            "stop": _scalar(True, np.bool_),
+        }
         for model in self.engines:
             self._quietly(lambda m=model: list(Hop(m, stop, request_id, "context_and_generation").results(5.0, lambda: False)))
 
