@@ -55,15 +55,15 @@ def test_quick_compare_runs_both_deployments_and_prints_the_ratios(new_project, 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
     assert "equal CPU budget: aggregated = 2 aggregated_engine instance(s)" in text
-    assert "[aggregated-1users] 8 requests, 0 errors" in text
-    assert "[disaggregated-1users] 8 requests, 0 errors" in text
+    assert "[aggregated-2users] 8 requests, 0 errors" in text
+    assert "[disaggregated-2users] 8 requests, 0 errors" in text
     assert any(line.split() == ["aggregated", "disaggregated", "disagg/agg"] for line in text.splitlines())
-    ratios = next(line for line in text.splitlines() if line.startswith("1 users (closed loop): disagg/agg"))
+    ratios = next(line for line in text.splitlines() if line.startswith("2 users (closed loop): disagg/agg"))
     for name in ("p95 ITL", "p50 TTFT", "request goodput"):
         assert name in ratios
     assert "decode: KV blocks in use max" in text and "KV handoff" in text  # metrics summary per role
     for name in ("report.json", "report.csv", "latency_cdf.png", "itl_over_time.png", "metrics_aggregated.png",
-                 "metrics_disaggregated.png", "spec.yaml", "server-aggregated-1users.log", "server-disaggregated-1users.log"):
+                 "metrics_disaggregated.png", "spec.yaml", "server-aggregated-2users.log", "server-disaggregated-2users.log"):
         assert (out / name).is_file(), name
     assert not (project / "model_repository").exists()  # the project's own repository is not touched
 

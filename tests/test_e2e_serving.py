@@ -99,7 +99,6 @@ def test_seeded_sampling_matches_across_deployments(server):
     assert agg != stream(server.grpc_url, "aggregated", PROMPTS[0], 24).text
 
 
-@pytest.mark.concurrent
 def test_16_concurrent_streams_complete_and_overlap(server):
     prompts = [PROMPTS[i % len(PROMPTS)] + f" #{i}" for i in range(16)]
     expected = {p: stream(server.grpc_url, "aggregated", p, 48, streaming=False).text for p in prompts}
@@ -298,7 +297,6 @@ def test_metrics_after_the_suite(server):
     assert metrics["disagg_requests_in_flight"] == {"prefill": 0, "decode": 0, "aggregated": 0}
 
 
-@pytest.mark.concurrent
 def test_two_decode_instances_share_the_load(new_project, start_triton):
     """decode instances: 2 renders decode and decode_1; concurrent requests land on both, by load."""
     project = new_project("two-decoders")

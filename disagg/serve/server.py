@@ -24,6 +24,8 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
+
+from disagg.triton.contract import ENGINE_URL_ENV
 from pathlib import Path
 
 _PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -209,6 +211,7 @@ class TritonServer:
         self.install = find_install(self._workdir)
         env = dict(os.environ, **self.install.env)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env[ENGINE_URL_ENV] = self.grpc_url  # where the orchestrator reaches the engine models
         out = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,3 +11,7 @@ SET_INPUTS = ("streaming", "context_phase_params", "stop")
 OUTPUTS_READ = ("output_ids", "context_phase_params")
 REQUEST_PARAMETERS = ("request_type",)
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
+# The orchestrator calls the engine models over Triton's gRPC endpoint (not BLS: concurrent decoupled
+# BLS streams crash Triton 2.51's python backend). disagg-serve sets this; default: the standard port.
+ENGINE_URL_ENV = "DISAGG_ENGINE_GRPC_URL"
+DEFAULT_ENGINE_URL = "127.0.0.1:8001"

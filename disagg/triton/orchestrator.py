@@ -1,7 +1,8 @@
-"""The decoupled BLS orchestrator: prefill -> decode per request, streamed, many requests per instance.
+"""The orchestrator: prefill -> decode per request, streamed, many requests per instance.
 
-Where the upstream disaggregated BLS blocks on one request at a time and throws the context phase's
-token away, this one:
+A decoupled Python model in the place of upstream's disaggregated BLS. It reaches the engine models
+through the server's own gRPC endpoint (see `Hop` for why not BLS). Where the upstream BLS blocks on
+one request at a time and throws the context phase's token away, this one:
 - serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`;
 - streams the context phase's first token the moment prefill returns it (TTFT = prefill), and asks
   decode only for the tokens after it, so nothing is duplicated;
@@ -20,7 +21,9 @@ straddles two responses without keeping state.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import threading
 import time
@@ -29,16 +32,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
 
 from disagg.triton import load_board
-from disagg.triton.contract import FORWARDED_INPUTS, OUTPUTS_READ
+from disagg.triton.contract import DEFAULT_ENGINE_URL, ENGINE_URL_ENV, FORWARDED_INPUTS, OUTPUTS_READ
 from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics
 from disagg.triton.paths import model_param, repository_root
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
 _DONE = object()
-_EMPTY = object()
 CANCEL_CHECK_S = 0.05
 
 
@@ -55,54 +59,47 @@ def _scalar(value, dtype) -> np.ndarray:
 
 
 class Hop:
-    """One BLS call to an engine on its own thread, results handed over through a queue so the caller
-    can time out and notice cancellation while the engine works.
+    """One call to an engine model over a gRPC stream of its own, results handed over through a queue
+    so the caller can time out and notice cancellation while the engine works.
 
-    Every Triton object of the call (input tensors, the request, its responses) is created, read and
-    released on the hop's thread; only plain numpy data crosses threads. Handing pb_utils responses from
-    one thread to another corrupted the stub's heap under concurrent streams (Triton 2.51)."""
+    Engines are reached through Triton's gRPC endpoint rather than BLS: in Triton 2.51 concurrent
+    decoupled BLS streams corrupt the python backend's heap (seen as `malloc(): unaligned fastbin
+    chunk detected` and stub segfaults), while plain client streams are a well-trodden path. Closing
+    a hop with `cancel=True` cancels the engine request, which frees its KV."""
 
-    def __init__(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
+    def __init__(self, url: str, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
         self.model = model
         self.results_queue: queue.Queue = queue.Queue()
-        threading.Thread(target=self._run, args=(inputs, request_id, request_type), name=f"hop-{model}", daemon=True).start()
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=self._on_response)
+        tensors = []
+        for name, array in inputs.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        self.client.async_stream_infer(
+            model, tensors, request_id=request_id, parameters={"request_type": request_type},
+            outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS_READ], enable_empty_final_response=True,
+        )
 
-    def _run(self, inputs: dict[str, np.ndarray], request_id: str, request_type: str) -> None:
+    def _on_response(self, result, error) -> None:
+        if error is not None:
+            message = error.message() if hasattr(error, "message") else str(error)
+            self.results_queue.put(HopError(f"{self.model}: {message}"))
+            self.results_queue.put(_DONE)
+            return
+        ids, params = result.as_numpy("output_ids"), result.as_numpy("context_phase_params")
+        if ids is not None or params is not None:
+            tokens = [] if ids is None else ids.reshape(-1).tolist()
+            self.results_queue.put((tokens, params))
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            self.results_queue.put(_DONE)
+
+    def close(self, cancel: bool = False) -> None:
         try:
-            with STUB_LOCK:
-                request = pb_utils.InferenceRequest(
-                    model_name=self.model,
-                    inputs=[pb_utils.Tensor(name, array) for name, array in inputs.items()],
-                    request_id=request_id,
-                    requested_output_names=list(OUTPUTS_READ),
-                    parameters={"request_type": request_type},
-                )
-                responses = iter(request.exec(decoupled=True))
-            while True:
-                try:
-                    response = next(responses)  # blocks until the engine answers: outside the lock
-                except StopIteration:
-                    break
-                with STUB_LOCK:
-                    self.results_queue.put(self._read(response))
-                    del response
-            with STUB_LOCK:
-                del responses, request
-        except Exception as exc:  # noqa: BLE001 - surfaced to the waiting request thread
-            self.results_queue.put(HopError(f"{self.model}: {exc}"))
-        self.results_queue.put(_DONE)
-
-    @staticmethod
-    def _read(response):
-        """(tokens, context_phase_params or None), _EMPTY for an empty final response, or a HopError."""
-        if response.has_error():
-            return HopError(response.error().message())
-        ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
-        params = pb_utils.get_output_tensor_by_name(response, "context_phase_params")
-        if ids is None and params is None:
-            return _EMPTY
-        tokens = [] if ids is None else ids.as_numpy().reshape(-1).tolist()
-        return tokens, (None if params is None else params.as_numpy().copy())
+            self.client.stop_stream(cancel_requests=cancel)
+        finally:
+            self.client.close()
 
     def results(self, timeout_s: float, cancelled):
         """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms."""
@@ -129,8 +126,7 @@ class Hop:
             if isinstance(item, Exception):
                 raise item
             deadline = now + timeout_s
-            if item is not _EMPTY:
-                yield item
+            yield item
 
 
 class ClientStream:
@@ -184,6 +180,7 @@ class TritonPythonModel:
             self.decoders = model_param(args, "generation_model_name").split(",")
             self.engines = [model_param(args, "context_model_name"), *self.decoders]
         self.board_key = load_board.board_key(repository_root(args))
+        self.engine_url = os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL)
         self.dispatched: dict[str, int] = {}
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
@@ -217,11 +214,11 @@ class TritonPythonModel:
         inputs = {**arrays, "streaming": _scalar(True, np.bool_)}
         try:
             if self.mode == "aggregated":
-                hop = Hop(self.engines[0], inputs, request_id, "context_and_generation")
-                for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, sender.is_cancelled)):
-                    if n == 0:
-                        self.ttft.observe(time.monotonic() - arrival)
-                    client.emit(tokens)
+                with self._hop(self.engines[0], inputs, request_id, "context_and_generation") as hop:
+                    for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, sender.is_cancelled)):
+                        if n == 0:
+                            self.ttft.observe(time.monotonic() - arrival)
+                        client.emit(tokens)
             else:
                 self._disaggregated(request_id, inputs, client, sender, arrival)
             client.finish()
@@ -237,8 +234,8 @@ class TritonPythonModel:
             self._track(-1)
 
     def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, sender, arrival: float) -> None:
-        prefill = self.engines[0]
-        context = list(Hop(prefill, inputs, request_id, "context_only").results(self.prefill_timeout_s, sender.is_cancelled))
+        with self._hop(self.engines[0], inputs, request_id, "context_only") as hop:
+            context = list(hop.results(self.prefill_timeout_s, sender.is_cancelled))
         if not context:  # the first token was end_id: the request is complete and empty
             return
         tokens, params = context[-1]
@@ -246,15 +243,16 @@ class TritonPythonModel:
         self.ttft.observe(time.monotonic() - arrival)
         if params is None:  # finished in the context phase (end_id or max_tokens=1): no KV was kept
             return
-        if sender.is_cancelled():
-            raise Cancelled()
+        with STUB_LOCK:
+            if sender.is_cancelled():
+                raise Cancelled()
         with self._lock:
             decode = load_board.least_loaded(self.board_key, self.decoders, self.dispatched)
             self.dispatched[decode] = self.dispatched.get(decode, 0) + 1
         try:
-            hop = Hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only")
-            for tokens, _ in hop.results(self.decode_timeout_s, sender.is_cancelled):
-                client.emit(tokens)
+            with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
+                for tokens, _ in hop.results(self.decode_timeout_s, sender.is_cancelled):
+                    client.emit(tokens)
         finally:
             with self._lock:
                 self.dispatched[decode] -= 1
@@ -267,7 +265,19 @@ class TritonPythonModel:
             "stop": _scalar(True, np.bool_),
         }
         for model in self.engines:
-            self._quietly(lambda m=model: list(Hop(m, stop, request_id, "context_and_generation").results(5.0, lambda: False)))
+            def send_stop(m=model):
+                with self._hop(m, stop, request_id, "context_and_generation") as hop:
+                    list(hop.results(5.0, lambda: False))
+
+            self._quietly(send_stop)
+
+    @contextlib.contextmanager
+    def _hop(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
+        hop = Hop(self.engine_url, model, inputs, request_id, request_type)
+        try:
+            yield hop
+        finally:
+            hop.close()
 
     @staticmethod
     def _quietly(fn) -> None:
