@@ -288,10 +288,11 @@ def test_stream_abandoned_through_the_ensemble_still_frees_its_kv(server, cpu_ti
 
 
 def test_metrics_after_the_suite(server):
-    metrics = by_role(scrape(server.metrics_url))
-    used = wait_kv_zero(server)
-    series = [line for line in scrape(server.metrics_url).splitlines() if line.startswith(("disagg_kv_blocks_in_use", "disagg_requests_in_flight", "disagg_queue_depth"))]
+    used = wait_kv_zero(server)  # the previous test's stream may still be finishing
+    text = scrape(server.metrics_url)
+    series = [line for line in text.splitlines() if line.startswith(("disagg_kv_blocks_in_use", "disagg_requests_in_flight", "disagg_queue_depth"))]
     assert used == {"prefill": 0, "decode": 0, "aggregated": 0}, "\n".join(series)
+    metrics = by_role(text)
     assert metrics["disagg_kv_blocks_total"] == {"prefill": 256, "decode": 640, "aggregated": 640}
     assert metrics["disagg_kv_handoff_count_total"]["decode"] >= len(PROMPTS)
     assert metrics["disagg_kv_handoff_bytes_total"]["decode"] > 0
