@@ -67,10 +67,12 @@ def kv_in_use(server) -> dict[str, float]:
 
 
 def wait_kv_zero(server, timeout_s: float = 5.0) -> dict[str, float]:
+    """KV blocks in use per role once the pool has drained and no request is left in an engine."""
     deadline = time.monotonic() + timeout_s
     while True:
-        used = kv_in_use(server)
-        if not any(used.values()) or time.monotonic() > deadline:
+        metrics = by_role(scrape(server.metrics_url))
+        used, busy = metrics["disagg_kv_blocks_in_use"], metrics["disagg_requests_in_flight"]
+        if not any(used.values()) and not any(busy.values()) or time.monotonic() > deadline:
             return used
         time.sleep(0.1)
 
@@ -288,7 +290,7 @@ def test_stream_abandoned_through_the_ensemble_still_frees_its_kv(server, cpu_ti
 
 
 def test_metrics_after_the_suite(server):
-    used = wait_kv_zero(server)  # the previous test's stream may still be finishing
+    used = wait_kv_zero(server, timeout_s=10.0)  # the previous test's stream may still be finishing
     text = scrape(server.metrics_url)
     series = [line for line in text.splitlines() if line.startswith(("disagg_kv_blocks_in_use", "disagg_requests_in_flight", "disagg_queue_depth"))]
     assert used == {"prefill": 0, "decode": 0, "aggregated": 0}, "\n".join(series)
