@@ -145,6 +145,7 @@ def test_h200_launch_script(h200):
     assert loads == [["--load-model=prefill"]] * 4 + [["--load-model=decode"]] * 4
     assert all("--model-control-mode=explicit" in argv for argv in segments[1:])
     assert _exports(script) == {
+        "DISAGG_ENGINE_GRPC_URL": "127.0.0.1:8001",
         "TRTLLM_ORCHESTRATOR": "1",
         "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "0",
         "TRTLLM_USE_UCX_KVCACHE": "1",

@@ -18,6 +18,7 @@ from pathlib import Path
 import jinja2
 
 from disagg.render import ENGINE_MODELS, plan_models
+from disagg.triton.contract import ENGINE_URL_ENV
 from disagg.spec import ROLES, DeploymentSpec, RoleSpec, SpecError
 from disagg.trtllm import versions
 from disagg.trtllm.commands import engine_dir, role_spec
@@ -196,6 +197,8 @@ def _rank_argv(spec: DeploymentSpec, rank: int, load: list[str] | None) -> list[
 
 def _environment_vars(spec: DeploymentSpec) -> list[tuple[str, str]]:
     env = [("TRTLLM_ORCHESTRATOR", "1"), ("TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES", "0")]
+    # The disagg orchestrator reaches the engine models through this server's gRPC endpoint.
+    env.append((ENGINE_URL_ENV, f"127.0.0.1:{PORTS['grpc']}"))
     if spec.disaggregated:
         env.append((f"TRTLLM_USE_{spec.kv_transfer.backend.upper()}_KVCACHE", "1"))
         if spec.kv_transfer.nvlink:
