@@ -31,9 +31,8 @@ class EngineStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[EngineStats], None] | None = None):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.on_step = on_step
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._callbacks: dict[str, OnOutput] = {}
@@ -103,7 +102,6 @@ class EngineLoop:
                 for o in outputs:
                     if o.finished:
                         self._callbacks.pop(o.req_id, None)
-                stats = self._stats()
             for callback, output in deliveries:
                 if callback is None:
                     continue
@@ -111,5 +109,3 @@ class EngineLoop:
                     callback(output)
                 except Exception:  # noqa: BLE001 - a broken sender must not stop other requests
                     self.abort(output.req_id)
-            if self.on_step is not None:
-                self.on_step(stats)
