@@ -227,9 +227,10 @@ class TritonPythonModel:
             self._stop_everywhere(request_id)
             self._quietly(client.finish)
         except HopError as exc:
+            message = str(exc)
             self.failures.increment(1)
             self._stop_everywhere(request_id)
-            self._quietly(lambda: client.fail(str(exc)))
+            self._quietly(lambda: client.fail(message))
         finally:
             self._track(-1)
 
