@@ -6,6 +6,7 @@ first-token timing, bad inputs, cancellation, and the KV pool back at zero after
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import queue
 import threading
@@ -21,6 +22,8 @@ from safetensors.numpy import load_file
 
 from disagg.cli import main
 from disagg.serve.metrics import by_role, scrape
+from disagg.text import load_tokenizer
+from disagg.triton.load_board import board_dir, board_key
 from tools.stream_client import StreamError, build_inputs, stream
 
 pytestmark = pytest.mark.e2e
@@ -148,7 +151,32 @@ def test_no_token_is_duplicated(server):
     prompt = PROMPTS[3]
     agg = stream(server.grpc_url, "aggregated", prompt, 16)
     dis = stream(server.grpc_url, "ensemble", prompt, 16)
-    assert dis.chunks == agg.chunks and len(dis.chunks) == 16
+    assert dis.chunks == agg.chunks
+    *tokens, final = dis.chunks
+    assert len(tokens) == 16 and all(tokens) and final == ""  # a token per response, then the final flush
+    assert dis.text == stream(server.grpc_url, "aggregated", prompt, 16, streaming=False).text
+
+
+def test_a_character_left_unfinished_is_flushed_by_the_final_response(server, cpu_tiny_project):
+    """The orchestrator's final response carries no new tokens and is_final: postprocessing then lets the
+    held-back bytes out as U+FFFD, so the streamed text equals tokenizer.decode (and the whole answer)."""
+    tokenizer = load_tokenizer(cpu_tiny_project / "build/checkpoints/tiny-llama")
+    ids = tokenizer.encode("ok ✓").ids[:-1]  # ✓ is three one-byte tokens; its last byte never comes
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def text(prefix_length: int, is_final: bool) -> str:
+        inputs = [
+            _engine_tensor("TOKENS_BATCH", [[ids]], "INT32", np.int32),
+            _engine_tensor("SEQUENCE_LENGTH", [[len(ids)]], "INT32", np.int32),
+            _engine_tensor("PREFIX_LENGTH", [[prefix_length]], "INT32", np.int32),
+            _engine_tensor("IS_FINAL", [[is_final]], "BOOL", bool),
+        ]
+        return client.infer("postprocessing", inputs).as_numpy("OUTPUT").reshape(-1)[0].decode()
+
+    streamed = [text(0, False), text(len(ids), True)]
+    assert streamed == ["ok ", "\ufffd"]
+    assert "".join(streamed) == tokenizer.decode(ids)
+    assert text(len(ids), False) == ""  # not final: the partial character waits for more bytes
 
 
 @pytest.mark.parametrize(
@@ -277,15 +305,50 @@ def test_cancelled_stream_stops_decode_and_frees_its_kv(server, cpu_tiny_project
     assert by_role(scrape(server.metrics_url))["disagg_requests_in_flight"]["decode"] == 0
 
 
-def test_stream_abandoned_through_the_ensemble_still_frees_its_kv(server, cpu_tiny_project):
+def _cancelled_total(server, role: str) -> float:
+    return by_role(scrape(server.metrics_url))["disagg_orchestrator_cancelled_total"][role]
+
+
+@pytest.mark.parametrize("model, role", [("ensemble", "orchestrator-disaggregated"), ("aggregated", "orchestrator-aggregated")])
+def test_stream_cancelled_through_the_ensemble_stops_the_engines(server, cpu_tiny_project, model, role):
+    """Through an ensemble only postprocessing hears of the cancellation; it raises the request's cancel
+    flag and the orchestrator stops the engines: counted as a cancellation, not run to its 300 tokens."""
+    before = _cancelled_total(server, role)
     client = grpcclient.InferenceServerClient(server.grpc_url)
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
-    client.async_stream_infer("ensemble", build_inputs("Call me", 300, end_id=_never_token(cpu_tiny_project)), enable_empty_final_response=True)
+    client.async_stream_infer(model, build_inputs("Call me", 300, end_id=_never_token(cpu_tiny_project)), enable_empty_final_response=True)
     for _ in range(3):
         assert got.get(timeout=30)[1] is None
     client.stop_stream(cancel_requests=True)
     client.close()
+    deadline = time.monotonic() + 5
+    while _cancelled_total(server, role) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _cancelled_total(server, role) == before + 1
+    assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
+    key = board_key(cpu_tiny_project / "model_repository")
+    assert not list(board_dir().glob(f"disagg-cancel-{key}-*")), "a cancel flag outlived its request"
+
+
+def test_http_stream_closed_by_the_client_is_cancelled(server, cpu_tiny_project):
+    """Closing the connection of /generate_stream mid-way cancels the request like a gRPC cancel."""
+    role = "orchestrator-disaggregated"
+    before = _cancelled_total(server, role)
+    host, port = server.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {"text_input": "Call me", "max_tokens": 300, "end_id": _never_token(cpu_tiny_project), "stream": True}
+    conn.request("POST", "/v2/models/ensemble/generate_stream", json.dumps(body))
+    response = conn.getresponse()
+    events = 0
+    while events < 3:
+        events += response.fp.readline().startswith(b"data:")
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 5
+    while _cancelled_total(server, role) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _cancelled_total(server, role) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
 
 

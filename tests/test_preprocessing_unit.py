@@ -60,9 +60,23 @@ def test_postprocessing_emits_only_new_text_and_whole_sequences_decode_fully(tin
     split = len(ids) - 1  # the last token finishes 京
     padded = np.array([[*ids, 0, 0]], dtype=np.int32)  # [beams=1, T] with padding past sequence_length
     lengths = np.array([len(ids)], dtype=np.int32)
-    assert post.texts(padded, lengths, prefix_len=None) == ["a 東京".encode()]
-    assert post.texts(padded, lengths, prefix_len=split) == ["京".encode()]
-    assert post.texts(padded[:, :split], lengths - 1, prefix_len=0) == ["a 東".encode()]
+    assert post.texts(padded, lengths, prefix_len=None, final=False) == ["a 東京".encode()]
+    assert post.texts(padded, lengths, prefix_len=split, final=False) == ["京".encode()]
+    assert post.texts(padded[:, :split], lengths - 1, prefix_len=0, final=False) == ["a 東".encode()]
+
+
+def test_postprocessing_flushes_a_partial_character_only_on_the_final_response(tiny_checkpoint):
+    """A generation that stops inside a character: the streamed text still equals tokenizer.decode."""
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    post = Postprocessor(Detokenizer.from_tokenizer(tokenizer))
+    ids = tokenizer.encode("ok ✓").ids[:-1]  # ✓ is three one-byte tokens here; drop its last byte
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    tokens, lengths = np.array([ids], dtype=np.int32), np.array([len(ids)], dtype=np.int32)
+    held = post.texts(tokens, lengths, prefix_len=0, final=False)[0].decode()
+    flushed = post.texts(tokens, lengths, prefix_len=len(ids), final=True)[0].decode()  # no new tokens
+    assert (held, flushed) == ("ok ", "\ufffd")
+    assert held + flushed == tokenizer.decode(ids)
+    assert post.texts(tokens, lengths, prefix_len=len(ids), final=False) == [b""]
 
 
 def _args(tmp_path, **params) -> dict:

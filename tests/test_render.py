@@ -95,7 +95,7 @@ def test_orchestrators_and_front_parameters(repo):
     assert disagg == {"mode": "disaggregated", "context_model_name": "prefill", "generation_model_name": "decode", **common}
     assert agg == {"mode": "aggregated", "aggregated_model_name": "aggregated_engine", **common}
     cfg = config(repo, "disagg_orchestrator")
-    assert [t.name for t in cfg.output] == ["output_ids", "sequence_length", "prefix_length"]
+    assert [t.name for t in cfg.output] == ["output_ids", "sequence_length", "prefix_length", "is_final", "stream_id"]
     # Scalars arrive as [batch, 1] and go to the engines unchanged (no reshape here, unlike the engines).
     assert {t.name for t in cfg.input} == {
         "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "streaming", "temperature",
@@ -129,9 +129,10 @@ def test_ensembles_wire_preprocessing_orchestrator_postprocessing(repo):
             "INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
             "OUT_END_ID": "_END_ID", "OUT_PAD_ID": "_PAD_ID",
         }
-        tokens = {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH", "PREFIX_LENGTH": "_PREFIX_LENGTH"}
+        tokens = {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH", "PREFIX_LENGTH": "_PREFIX_LENGTH",
+                  "IS_FINAL": "_IS_FINAL", "STREAM_ID": "_STREAM_ID"}
         assert steps[1][2] == {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH",
-                               "prefix_length": "_PREFIX_LENGTH"}
+                               "prefix_length": "_PREFIX_LENGTH", "is_final": "_IS_FINAL", "stream_id": "_STREAM_ID"}
         assert (steps[2][1], steps[2][2]) == (tokens, {"OUTPUT": "text_output"})
 
 

@@ -5,8 +5,9 @@
 
 Definitions (measured here, at the client):
     TTFT      request sent -> first response with non-empty text
-    ITL       every gap between consecutive streamed responses from that first text on
-    tokens/s  responses after the first text / time from the first text to the last response
+    ITL       every gap between consecutive responses with non-empty text (an empty one, such as the
+              final response or half a UTF-8 character, is no token arrival)
+    tokens/s  text responses after the first / time from the first text to the last
               (the decode rate, counting one token per streamed response)
 `stream()` is the importable core that tests and benchmarks reuse.
 """
@@ -40,7 +41,8 @@ class StreamError(RuntimeError):
 @dataclass(frozen=True)
 class StreamResult:
     text: str
-    chunks: tuple[str, ...]  # text of each response that carried output, in order
+    chunks: tuple[str, ...]  # text of each response that carried output, in order (streamed: the last is
+    # the final response, which holds only the rest of a character the generation left unfinished)
     timestamps: tuple[float, ...]  # seconds from send to each of those responses
     ttft: float | None  # None: no text came back
     itl: tuple[float, ...]
@@ -109,11 +111,10 @@ def stream(
     finally:
         client.stop_stream()
         client.close()
-    first = next((i for i, c in enumerate(chunks) if c), None)
-    itl = () if first is None else tuple(b - a for a, b in zip(stamps[first:], stamps[first + 1:]))
+    arrivals = [at for at, text in zip(stamps, chunks) if text]
     return StreamResult(
         text="".join(chunks), chunks=tuple(chunks), timestamps=tuple(stamps),
-        ttft=None if first is None else stamps[first], itl=itl,
+        ttft=arrivals[0] if arrivals else None, itl=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
     )
 
 

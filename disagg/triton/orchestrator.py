@@ -17,7 +17,11 @@ so the baseline pays the same front-end costs.
 
 Every response carries the tokens produced since the last one, preceded by up to `PREFIX_TOKENS`
 earlier tokens (`prefix_length` says how many), so postprocessing can finish a UTF-8 character that
-straddles two responses without keeping state.
+straddles two responses without keeping state. The last response is marked `is_final` (a streamed one
+carries no new tokens), so bytes of a character the generation never finished come out as U+FFFD,
+as `tokenizer.decode` gives them. Every response also names the request's cancel flag (`stream_id`,
+see `cancel_board`): through the ensemble, postprocessing is the only model that learns of a client's
+cancellation.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import triton_python_backend_utils as pb_utils
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
-from disagg.triton import load_board
+from disagg.triton import cancel_board, load_board
 from disagg.triton.contract import DEFAULT_ENGINE_URL, ENGINE_URL_ENV, FORWARDED_INPUTS, OUTPUTS_READ
 from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics
 from disagg.triton.paths import model_param, repository_root
@@ -132,18 +136,19 @@ class Hop:
 class ClientStream:
     """What the client gets: token responses (streamed, or one at the end) with a UTF-8 prefix."""
 
-    def __init__(self, sender, streaming: bool):
+    def __init__(self, sender, streaming: bool, stream_id: str):
         self.sender = sender
         self.streaming = streaming
+        self.stream_id = np.asarray([[stream_id.encode()]], dtype=object)
         self.tokens: list[int] = []
         self.sent = 0
 
     def emit(self, tokens: list[int]) -> None:
         self.tokens += tokens
         if self.streaming and tokens:
-            self._send(self.sent, flags=0)
+            self._send(self.sent, final=False)
 
-    def _send(self, start: int, flags: int) -> None:
+    def _send(self, start: int, final: bool) -> None:
         prefix = max(0, start - PREFIX_TOKENS)
         ids = self.tokens[prefix:]
         with STUB_LOCK:
@@ -151,16 +156,16 @@ class ClientStream:
                 pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
                 pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
                 pb_utils.Tensor("prefix_length", np.asarray([[start - prefix]], dtype=np.int32)),
+                pb_utils.Tensor("is_final", np.asarray([[final]], dtype=np.bool_)),
+                pb_utils.Tensor("stream_id", self.stream_id),
             ]
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if final else 0)
         self.sent = len(self.tokens)
 
     def finish(self) -> None:
-        if self.streaming:
-            with STUB_LOCK:
-                self.sender.send(flags=FINAL)
-        else:
-            self._send(0, flags=FINAL)  # the whole answer in one response, even when it is empty
+        """Streamed: a last response with no new tokens, which flushes a held-back partial character.
+        Otherwise the whole answer in one response, even when it is empty."""
+        self._send(self.sent if self.streaming else 0, final=True)
 
     def fail(self, message: str) -> None:
         with STUB_LOCK:
@@ -180,6 +185,8 @@ class TritonPythonModel:
             self.decoders = model_param(args, "generation_model_name").split(",")
             self.engines = [model_param(args, "context_model_name"), *self.decoders]
         self.board_key = load_board.board_key(repository_root(args))
+        self.instance = args["model_instance_name"]
+        cancel_board.remove_leftovers(self.board_key, self.instance)
         self.engine_url = os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL)
         self.dispatched: dict[str, int] = {}
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
@@ -209,18 +216,23 @@ class TritonPythonModel:
     def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
         self._track(+1)
         request_id = uuid.uuid4().hex
+        flag = cancel_board.CancelFlag(self.board_key, self.instance, request_id)
         streaming = arrays.pop("streaming", None)
-        client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]))
+        client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]), flag.stream_id)
         inputs = {**arrays, "streaming": _scalar(True, np.bool_)}
+
+        def cancelled() -> bool:
+            return flag.is_raised() or sender.is_cancelled()
+
         try:
             if self.mode == "aggregated":
                 with self._hop(self.engines[0], inputs, request_id, "context_and_generation") as hop:
-                    for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, sender.is_cancelled)):
+                    for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, cancelled)):
                         if n == 0:
                             self.ttft.observe(time.monotonic() - arrival)
                         client.emit(tokens)
             else:
-                self._disaggregated(request_id, inputs, client, sender, arrival)
+                self._disaggregated(request_id, inputs, client, cancelled, arrival)
             client.finish()
         except Cancelled:
             self.cancels.increment(1)
@@ -232,11 +244,12 @@ class TritonPythonModel:
             self._stop_everywhere(request_id)
             self._quietly(lambda: client.fail(message))
         finally:
+            flag.close()
             self._track(-1)
 
-    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, sender, arrival: float) -> None:
+    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float) -> None:
         with self._hop(self.engines[0], inputs, request_id, "context_only") as hop:
-            context = list(hop.results(self.prefill_timeout_s, sender.is_cancelled))
+            context = list(hop.results(self.prefill_timeout_s, cancelled))
         if not context:  # the first token was end_id: the request is complete and empty
             return
         tokens, params = context[-1]
@@ -245,14 +258,14 @@ class TritonPythonModel:
         if params is None:  # finished in the context phase (end_id or max_tokens=1): no KV was kept
             return
         with STUB_LOCK:
-            if sender.is_cancelled():
+            if cancelled():
                 raise Cancelled()
         with self._lock:
             decode = load_board.least_loaded(self.board_key, self.decoders, self.dispatched)
             self.dispatched[decode] = self.dispatched.get(decode, 0) + 1
         try:
             with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
-                for tokens, _ in hop.results(self.decode_timeout_s, sender.is_cancelled):
+                for tokens, _ in hop.results(self.decode_timeout_s, cancelled):
                     client.emit(tokens)
         finally:
             with self._lock:

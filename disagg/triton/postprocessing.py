@@ -3,8 +3,12 @@
 Each row of TOKENS_BATCH holds SEQUENCE_LENGTH valid tokens; the first PREFIX_LENGTH of them were already
 turned into text by an earlier response and are context only (disagg.text.Detokenizer). Without
 PREFIX_LENGTH a row is a whole sequence and decodes exactly like `tokenizer.decode`; with it, a trailing
-incomplete character is held back for the next response. An orchestrator therefore sends, in every
+incomplete character is held back for the next response, unless IS_FINAL says there is none: then its
+bytes become U+FFFD, as `tokenizer.decode` gives them. An orchestrator therefore sends, in every
 streamed response, the new tokens plus at least the 3 tokens before them (or all tokens so far).
+
+STREAM_ID names the orchestrator request's cancel flag. Through an ensemble this model is the only one
+Triton tells of a client's cancellation, so it raises the flag (disagg.triton.cancel_board).
 """
 from __future__ import annotations
 
@@ -14,20 +18,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagg.text import Detokenizer, load_tokenizer
-from disagg.triton.paths import model_param, resolve_path
+from disagg.triton import cancel_board, load_board
+from disagg.triton.paths import model_param, repository_root, resolve_path
 
 
 @dataclass(frozen=True)
 class Postprocessor:
     detokenizer: Detokenizer
 
-    def texts(self, tokens: np.ndarray, lengths: np.ndarray, prefix_len: int | None) -> list[bytes]:
+    def texts(self, tokens: np.ndarray, lengths: np.ndarray, prefix_len: int | None, final: bool) -> list[bytes]:
         """tokens: [beams, T], lengths: [beams] -> UTF-8 text of each beam's new tokens."""
         out = []
         for row, length in zip(tokens, lengths):
             ids = row[: int(length)].tolist()
             start = prefix_len or 0
-            text = self.detokenizer.incremental_text(ids[:start], ids[start:], final=prefix_len is None)
+            text = self.detokenizer.incremental_text(ids[:start], ids[start:], final=final or prefix_len is None)
             out.append(text.encode())
         return out
 
@@ -37,13 +42,21 @@ class TritonPythonModel:
         tokenizer = load_tokenizer(resolve_path(args, "tokenizer_dir"))
         skip = model_param(args, "skip_special_tokens").lower() == "true"
         self.post = Postprocessor(Detokenizer.from_tokenizer(tokenizer, skip_special_tokens=skip))
+        self.board_key = load_board.board_key(repository_root(args))
 
     def _respond(self, pb_utils, request):
+        def optional(name: str, default) -> list:  # [batch, 1] -> one value per row
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return [default] * len(tokens) if tensor is None else tensor.as_numpy().reshape(-1).tolist()
+
         tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()  # [batch, beams, T]
         lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()  # [batch, beams]
-        prefix = pb_utils.get_input_tensor_by_name(request, "PREFIX_LENGTH")  # [batch, 1] or absent
-        prefix_lens = [None] * len(tokens) if prefix is None else prefix.as_numpy().reshape(-1).tolist()
-        texts = [self.post.texts(t, n, p) for t, n, p in zip(tokens, lengths, prefix_lens)]
+        prefix_lens, finals = optional("PREFIX_LENGTH", None), optional("IS_FINAL", False)
+        if request.is_cancelled():
+            for stream_id in optional("STREAM_ID", None):
+                if stream_id is not None:
+                    cancel_board.raise_flag(self.board_key, stream_id.decode())
+        texts = [self.post.texts(t, n, p, f) for t, n, p, f in zip(tokens, lengths, prefix_lens, finals)]
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object))])
 
     def execute(self, requests: list) -> list:
