@@ -101,3 +101,78 @@ def test_unacknowledged_handoff_is_reclaimed_after_its_lease(factory):
         assert prefill.loop.stats().blocks_used == 0 and prefill.agent.reclaimed == 1
     finally:
         prefill.close()
+
+
+def _run(engine: LLMEngine, req_id: str) -> list[int]:
+    """Steps `engine` until `req_id` finishes; its new tokens."""
+    tokens = []
+    while True:
+        for o in engine.step():
+            if o.req_id == req_id:
+                tokens += [] if o.token is None else [o.token]
+                if o.finished:
+                    return tokens
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("decode_tp_pp", [(1, 1), (2, 2)])
+def test_direct_import_into_reserved_blocks_continues_exactly_as_aggregated(factory, transport, decode_tp_pp):
+    """claim -> reserve decode blocks -> copy prefill's blocks straight in -> ack -> run."""
+    expected = factory.engine().generate([Request("a", PROMPT, 10)])["a"]
+    prefill = Prefill(factory.engine_dir(2, 1, role="prefill"), transport)
+    puller = KVPuller()
+    try:
+        params = prefill.context("r5", PROMPT, 10)
+        claim = puller.claim(params)
+        decode = factory.engine(*decode_tp_pp, role="decode")
+        request = Request("r5", PROMPT, 10, "generation_only", context=ContextPhase(params.first_token, claim.kv))
+        blocks = decode.begin_import(request)
+        assert len(blocks) == 4 and decode.num_in_flight == 1 and not decode.has_work()  # 40 + 10 tokens
+        claim.kv.copy_into(decode.kv, decode.layout, blocks)
+        assert prefill.loop.stats().blocks_used == 3  # held until the ack
+        assert puller.ack(claim) > 0
+        assert prefill.loop.stats().blocks_used == 0
+        assert decode.finish_import("r5", copied=True)
+        assert [params.first_token] + _run(decode, "r5") == expected
+        assert decode.blocks.num_used == 0
+    finally:
+        puller.close()
+        prefill.close()
+
+
+def test_import_waits_its_turn_and_an_abort_mid_copy_keeps_the_blocks_until_the_copy_ends(factory):
+    prefill = Prefill(factory.engine_dir(role="prefill"))
+    puller = KVPuller()
+    try:
+        params = prefill.context("r6", PROMPT, 4)
+        claim = puller.claim(params)
+        decode = factory.engine(role="decode")
+        ctx = ContextPhase(params.first_token, claim.kv)
+        decode.add_request(Request("queued", PROMPT, 4))
+        assert decode.begin_import(Request("r6", PROMPT, 4, "generation_only", context=ctx)) is None  # behind "queued"
+        decode.abort("queued")
+        blocks = decode.begin_import(Request("r6", PROMPT, 4, "generation_only", context=ctx))
+        assert decode.abort("r6") and decode.blocks.num_used == len(blocks)  # the copy may still be writing
+        claim.kv.copy_into(decode.kv, decode.layout, blocks)
+        puller.ack(claim)
+        assert decode.finish_import("r6", copied=True) is False
+        assert decode.blocks.num_used == 0 and decode.num_in_flight == 0
+    finally:
+        puller.close()
+        prefill.close()
+
+
+def test_an_ack_after_the_lease_ran_out_is_refused(factory):
+    """A copy that outlived the lease may have read reused blocks: the ack says so, the request fails."""
+    prefill = Prefill(factory.engine_dir(role="prefill"), lease_s=0.3)
+    puller = KVPuller()
+    try:
+        claim = puller.claim(prefill.context("r7", PROMPT, 4))
+        deadline = time.monotonic() + 5
+        while prefill.agent.num_held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ContextParamsError, match=r"stale handoff: handoff 'r7' is not held here"):
+            puller.ack(claim)
+    finally:
+        puller.close()
+        prefill.close()

@@ -1,17 +1,22 @@
 """Serving overheads, measured side by side in one run.
 
 1. Orchestration overhead on a real tritonserver (cpu-tiny): per-request latency through `ensemble`
-   (preprocessing -> BLS orchestrator -> prefill + decode -> postprocessing) against calling the
+   (preprocessing -> orchestrator -> prefill + decode -> postprocessing) against calling the
    engine models directly with token ids (prefill context_only, then decode generation_only), and
    `aggregated` against `aggregated_engine`. Streaming overhead per token = difference of the mean
    gap between streamed responses.
-2. KV handoff bandwidth: `KVPuller.pull` (claim, read the prefill pool, ack) over shared memory and
-   over TCP, against a plain numpy copy of the same bytes, for prompts of the bench-100mb model.
+2. KV handoff bandwidth for prompts of the bench-100mb model, against a plain numpy copy of the same
+   bytes. Each way ends with the KV in decode's blocks: the direct handoff decode uses when it has room
+   (claim, copy prefill's shared-memory blocks straight into decode's reserved blocks, ack), the
+   buffered one it uses when full (claim, gather into a new contiguous buffer, ack; later, at
+   admission, scatter into decode's blocks), and TCP between nodes (claim, fetch the wire format, ack,
+   scatter).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -22,7 +27,10 @@ import tritonclient.grpc as grpcclient
 
 from disagg.bench.engine import build_engine
 from disagg.engine.engine import LLMEngine, Request
+from disagg.engine.kv_cache import KVStorage
+from disagg.engine.kv_wire import SequenceKV
 from disagg.engine.loop import EngineLoop
+from disagg.engine.paged_kv import PagedKV
 from disagg.transfer.agent import TransferAgent
 from disagg.transfer.puller import KVPuller
 from disagg.transfer.shm import SharedPool
@@ -137,34 +145,51 @@ def _direct_disaggregated(streamer: Streamer, ids: list[int], max_tokens: int):
 
 def handoff_bandwidth(root: Path, prompt_lens: list[int], repeats: int) -> list[str]:
     engine_dir = build_engine(root, "bench-100mb", 4, max(prompt_lens), 2)
-    lines = ["KV handoff bandwidth (bench-100mb: 8 layers x 4 KV heads x 64, fp32; median of "
-             f"{repeats}; pull = claim + read the blocks + ack):",
-             f"  {'prompt':>7}{'KV MB':>8}{'shm MB/s':>10}{'tcp MB/s':>10}{'memcpy MB/s':>13}{'copy MB/s':>12}"
-             f"{'shm/memcpy':>12}{'shm/copy':>11}{'tcp/copy':>11}",
-             "  memcpy = np.copyto into a reused buffer (no page faults); copy = np.copy into a new buffer, as a pull allocates"]
+    lines = [f"KV handoff bandwidth (bench-100mb: 8 layers x 4 KV heads x 64, fp32; MB/s, median of {repeats}),",
+             "each until the KV is in decode's blocks:",
+             "  direct = claim + copy prefill's shm blocks into decode's reserved blocks + ack (decode has room)",
+             "  buffered = claim + gather the shm blocks into a new buffer + ack + scatter (decode full)",
+             "  tcp = claim + fetch the wire format + ack + scatter (across nodes)",
+             "  memcpy = np.copyto of the same bytes into a reused buffer",
+             f"  {'prompt':>7}{'KV MB':>8}{'direct':>9}{'buffered':>10}{'tcp':>8}{'memcpy':>9}{'direct/memcpy':>15}{'direct/buffered':>17}"]
     for tokens in prompt_lens:
         rates = {}
-        for transport in ("shm", "tcp"):
+        for mode, transport in (("direct", "shm"), ("buffered", "shm"), ("tcp", "tcp")):
             with _prefill(engine_dir, transport) as (loop, agent):
-                puller = KVPuller()
-                seconds, nbytes = [], 0
+                puller, decode_pool = KVPuller(), None
+                seconds = []
                 for i in range(repeats + 1):
-                    params = _context(loop, agent, f"{transport}-{tokens}-{i}", tokens)
-                    pulled = puller.pull(params)
-                    if i:  # the first pull opens the connection and maps the segment
-                        seconds.append(pulled.seconds)
-                    nbytes = pulled.nbytes
+                    claim = puller.claim(_context(loop, agent, f"{mode}-{tokens}-{i}", tokens))
+                    decode_pool = decode_pool or _pool_like(claim.kv, loop.engine)
+                    blocks = list(range(decode_pool.shapes[0].num_blocks))
+                    if mode == "direct":
+                        claim.kv.copy_into(decode_pool, claim.kv.layout, blocks)
+                        elapsed = puller.ack(claim)
+                    else:
+                        kv = claim.kv.gather() if mode == "buffered" else claim.kv
+                        elapsed = puller.ack(claim)
+                        t = time.perf_counter()
+                        kv.copy_into(decode_pool, claim.kv.layout, blocks)
+                        elapsed += time.perf_counter() - t
+                    if i:  # the first opens the connection, maps the segment and faults in decode's pool
+                        seconds.append(elapsed)
+                nbytes = claim.kv.nbytes
                 puller.close()
-            rates[transport] = nbytes / float(np.median(seconds))
+            rates[mode] = nbytes / float(np.median(seconds))
         src = np.ones(nbytes // 4, dtype=np.float32)
         dst = np.empty_like(src)
         memcpy = nbytes / _median_seconds(lambda: np.copyto(dst, src), repeats)
-        fresh = nbytes / _median_seconds(src.copy, repeats)
         lines.append(
-            f"  {tokens:>7}{nbytes / 1e6:>8.2f}{rates['shm'] / 1e6:>10.0f}{rates['tcp'] / 1e6:>10.0f}{memcpy / 1e6:>13.0f}{fresh / 1e6:>12.0f}"
-            f"{rates['shm'] / memcpy:>12.2f}{rates['shm'] / fresh:>11.2f}{rates['tcp'] / fresh:>11.2f}"
+            f"  {tokens:>7}{nbytes / 1e6:>8.2f}{rates['direct'] / 1e6:>9.0f}{rates['buffered'] / 1e6:>10.0f}"
+            f"{rates['tcp'] / 1e6:>8.0f}{memcpy / 1e6:>9.0f}{rates['direct'] / memcpy:>15.2f}{rates['direct'] / rates['buffered']:>17.2f}"
         )
     return lines
+
+
+def _pool_like(kv: PagedKV | SequenceKV, prefill: LLMEngine) -> KVStorage:
+    """A decode pool sharded like prefill, with just enough blocks for `kv`."""
+    blocks = -(-kv.num_tokens // kv.layout.tokens_per_block)
+    return KVStorage([dataclasses.replace(s, num_blocks=blocks) for s in prefill.kv.shapes])
 
 
 def _median_seconds(fn, repeats: int) -> float:

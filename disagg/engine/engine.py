@@ -7,6 +7,8 @@ Request types follow TensorRT-LLM:
   already ends the request (end_id, or max_new_tokens=1) nothing is kept.
 - `generation_only`: import a prompt's KV (from any TP/PP sharding) plus the first token that the
   context phase already produced, and continue decoding; that first token is not emitted again.
+  The KV is copied in at admission, or, for a direct handoff, by the caller between `begin_import`
+  (which reserves the blocks when the request could be admitted right away) and `finish_import`.
 
 Scheduling is TensorRT-LLM's `guaranteed_no_evict`: a request is admitted only when blocks for its
 whole lifetime (prompt + max new tokens) can be reserved, so a running sequence is never preempted.
@@ -27,6 +29,7 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import BlockManager, KVShape, KVStorage, blocks_for
 from disagg.engine.kv_wire import KVLayout, SequenceKV
 from disagg.engine.llama import LlamaModel, StepInput
+from disagg.engine.paged_kv import PagedKV
 from disagg.engine.sampling import SamplingParams, sample
 from disagg.engine.weights import read_rank
 from disagg.triton.contract import REQUEST_TYPES
@@ -42,7 +45,7 @@ class ContextPhase:
     """What a generation-only request continues from: the context phase's first token and KV."""
 
     first_token: int
-    kv: SequenceKV
+    kv: SequenceKV | PagedKV
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     HELD = "held"  # context-only and finished: KV kept for the handoff
+    IMPORTING = "importing"  # generation-only with blocks reserved: the caller is copying its KV in
+    ABORTED = "aborted"  # aborted while importing: its blocks are freed when the copy is over
 
 
 @dataclass
@@ -108,6 +113,7 @@ class LLMEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
+        self.importing: dict[str, Sequence] = {}
 
     # -- admission -------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -158,13 +164,44 @@ class LLMEngine:
         self.validate(req)
         self.waiting.append(Sequence(req, list(req.prompt_ids)))
 
+    def begin_import(self, req: Request) -> list[int] | None:
+        """Reserves the blocks of a generation_only request that could be admitted right now (nothing
+        waiting ahead of it, room in the batch, free blocks), so the caller can copy its KV straight in
+        outside the step; None when it would have to wait (then `add_request` it)."""
+        self.validate(req)
+        if req.request_type != "generation_only":
+            raise RequestError(f"request_type: {req.request_type!r} cannot be imported")
+        b = self.config.build
+        if self.waiting or len(self.running) + len(self.importing) >= b.max_batch_size or not self.blocks.can_allocate(self._reserve(req)):
+            return None
+        seq = Sequence(req, list(req.prompt_ids), status=Status.IMPORTING)
+        seq.block_table = self.blocks.allocate(req.req_id, self._reserve(req))
+        seq.first_scheduled_ns = time.time_ns()
+        self.importing[req.req_id] = seq
+        return seq.block_table
+
+    def finish_import(self, req_id: str, copied: bool) -> bool:
+        """Ends a `begin_import`: the sequence runs from the next step, or (aborted meanwhile, or the copy
+        failed) its blocks are freed. True when it runs."""
+        seq = self.importing.pop(req_id)
+        if seq.status is Status.ABORTED or not copied:
+            self.blocks.free(seq.block_table)
+            return False
+        self._start(seq)
+        return True
+
     def find(self, req_id: str) -> Sequence | None:
-        seq = self.running.get(req_id) or self.held.get(req_id)
+        seq = self.running.get(req_id) or self.held.get(req_id) or self.importing.get(req_id)
         return seq or next((s for s in self.waiting if s.req_id == req_id), None)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def abort(self, req_id: str) -> bool:
-        """Drops a request wherever it is and frees its blocks; False if it is unknown (already done)."""
+        """Drops a request wherever it is and frees its blocks; False if it is unknown (already done).
+        A sequence being imported keeps its blocks until `finish_import`: the copy may still be writing."""
+        importing = self.importing.get(req_id)
+        if importing is not None and importing.status is Status.IMPORTING:
+            importing.status = Status.ABORTED
+            return True
         for queue in (self.running, self.held):
             seq = queue.pop(req_id, None)
             if seq is not None:
@@ -196,7 +233,7 @@ class LLMEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.importing) + len(self.running)
 
     # -- the step --------------------------------------------------------------------------------
     def _admit(self) -> list[Sequence]:
@@ -204,7 +241,7 @@ class LLMEngine:
         b = self.config.build
         budget = b.max_num_tokens - len(self.running)
         prefills: list[Sequence] = []
-        while self.waiting and len(self.running) + len(prefills) < b.max_batch_size:
+        while self.waiting and len(self.running) + len(self.importing) + len(prefills) < b.max_batch_size:
             seq = self.waiting[0]
             req = seq.request
             gen_only = req.request_type == "generation_only"
@@ -223,13 +260,16 @@ class LLMEngine:
         return prefills
 
     def _import(self, seq: Sequence) -> None:
+        seq.request.context.kv.copy_into(self.kv, self.layout, seq.block_table)
+        self._start(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        """An imported sequence joins the batch after its first token, which the context phase sampled."""
         ctx = seq.request.context
-        m = self.config.mapping
-        for rank in range(m.world_size):
-            self.kv.scatter(rank, seq.block_table, ctx.kv.for_rank(m, rank))
         seq.num_cached = ctx.kv.num_tokens
         seq.tokens.append(ctx.first_token)
         seq.num_generated = 1
+        seq.status = Status.RUNNING
         self.running[seq.req_id] = seq
 
     def step(self) -> list[StepOutput]:

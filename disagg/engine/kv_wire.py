@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from disagg.engine.config import Mapping
+from disagg.engine.kv_cache import KVStorage
 
 MAGIC = b"DKVC"
 VERSION = 1
@@ -75,6 +76,15 @@ class SequenceKV:
                 ranks = [self.shards[lay.mapping.rank(t, s)][wanted] for t in range(lay.tp_size)]
                 per_stage.append(np.concatenate(ranks, axis=3))
         return np.concatenate(per_stage, axis=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def copy_into(self, dst: KVStorage, dst_layout: KVLayout, dst_blocks: list[int]) -> None:
+        """Writes the sequence into `dst_blocks` of a pool sharded as `dst_layout`."""
+        for rank in range(dst_layout.mapping.world_size):
+            dst.scatter(rank, dst_blocks, self.for_rank(dst_layout.mapping, rank))
 
     def for_rank(self, mapping: Mapping, rank: int) -> np.ndarray:
         """The slice a receiving rank of `mapping` needs: its stage's layers and its TP rank's KV heads."""

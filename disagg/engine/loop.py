@@ -47,6 +47,23 @@ class EngineLoop:
             self._callbacks[request.req_id] = on_output
             self._wake.notify()
 
+    def begin_import(self, request: Request, on_output: OnOutput) -> list[int] | None:
+        """`LLMEngine.begin_import`; when blocks are reserved the request is tracked like a submitted one."""
+        with self._lock:
+            blocks = self.engine.begin_import(request)
+            if blocks is not None:
+                self._callbacks[request.req_id] = on_output
+            return blocks
+
+    def finish_import(self, req_id: str, copied: bool) -> bool:
+        with self._lock:
+            running = self.engine.finish_import(req_id, copied)
+            if running:
+                self._wake.notify()
+            else:
+                self._callbacks.pop(req_id, None)
+            return running
+
     def abort(self, req_id: str) -> bool:
         """Cancels a request wherever it is; its callback is not called again."""
         with self._lock:
@@ -68,7 +85,7 @@ class EngineLoop:
 
     def _stats(self) -> EngineStats:
         e = self.engine
-        return EngineStats(len(e.waiting), len(e.running), len(e.held), e.blocks.num_used, e.blocks.num_blocks)
+        return EngineStats(len(e.waiting), len(e.running) + len(e.importing), len(e.held), e.blocks.num_used, e.blocks.num_blocks)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Aborts everything in flight and joins the thread (Triton's finalize)."""

@@ -1,9 +1,11 @@
-"""The decode side of the handoff: reads the blocks named by `context_phase_params` and acknowledges.
+"""The decode side of the handoff: claims the blocks named by `context_phase_params`, copies, acknowledges.
 
 Same node (`shm`): the prefill instance's KV pool is a shared-memory segment; the puller maps it
-read-only by name and gathers the sequence's tokens straight from the named blocks. Across nodes
-(`tcp`): the agent sends the KV wire format. Either way the result is a `SequenceKV` in the prefill
-engine's sharding, which the decode engine re-shards on import.
+read-only by name, and the claim hands out a `PagedKV`: prefill's blocks in place, which decode copies
+straight into its own reserved blocks. Across nodes (`tcp`): the agent sends the KV wire format, a
+contiguous `SequenceKV`. Either way the KV is in the prefill engine's sharding; decode re-shards as it
+copies. The ack that frees prefill's blocks comes after the copy, and fails if the lease ran out
+meanwhile (the blocks may have been reused), so a torn copy is never used.
 """
 from __future__ import annotations
 
@@ -16,8 +18,16 @@ from multiprocessing.connection import Client, Connection
 
 from disagg.engine.kv_cache import KVShape, KVStorage
 from disagg.engine.kv_wire import SequenceKV
+from disagg.engine.paged_kv import PagedKV
 from disagg.transfer.params import ContextParamsError, ContextPhaseParams
 from disagg.transfer.shm import attach
+
+
+@dataclass(frozen=True)
+class Claim:
+    params: ContextPhaseParams
+    kv: PagedKV | SequenceKV  # shm: prefill's blocks in place, readable until `ack`; tcp: a copy
+    started: float  # perf_counter() when the claim was sent
 
 
 @dataclass(frozen=True)
@@ -34,29 +44,36 @@ class KVPuller:
         self._segments: dict[str, shared_memory.SharedMemory] = {}
         self._lock = threading.Lock()
 
-    def pull(self, params: ContextPhaseParams) -> PullResult:
-        """Copies the handoff's KV out of the prefill instance, then acknowledges it (its blocks are freed)."""
-        start = time.perf_counter()
+    def claim(self, params: ContextPhaseParams) -> Claim:
+        """Extends the handoff's lease and gives access to its KV."""
+        started = time.perf_counter()
         self._call(params, "claim")
         if params.transport == "shm":
-            kv = self._read_shm(params)
+            kv = self._map_shm(params)
         else:
-            payload = self._call(params, "fetch", expect_payload=True)
-            kv = SequenceKV.from_bytes(payload)
-        self._call(params, "ack")
-        nbytes = sum(s.nbytes for s in kv.shards)
-        return PullResult(kv, nbytes, time.perf_counter() - start)
+            kv = SequenceKV.from_bytes(self._call(params, "fetch", expect_payload=True))
+        return Claim(params, kv, started)
 
-    def _read_shm(self, p: ContextPhaseParams) -> SequenceKV:
+    def ack(self, claim: Claim) -> float:
+        """Frees prefill's blocks; returns the seconds since the claim. Raises ContextParamsError when the
+        handoff was no longer held (its lease ran out during the copy)."""
+        self._call(claim.params, "ack")
+        return time.perf_counter() - claim.started
+
+    def pull(self, params: ContextPhaseParams) -> PullResult:
+        """Claim, copy the KV out into a contiguous `SequenceKV`, ack."""
+        claim = self.claim(params)
+        kv = claim.kv.gather() if isinstance(claim.kv, PagedKV) else claim.kv
+        return PullResult(kv, kv.nbytes, self.ack(claim))
+
+    def _map_shm(self, p: ContextPhaseParams) -> PagedKV:
         lay = p.layout
         stages = lay.mapping.stage_layers(lay.num_layers)
         shapes = [
             KVShape(len(stages[r // lay.tp_size]), p.num_blocks, lay.tokens_per_block, lay.num_kv_heads // lay.tp_size, lay.head_dim)
             for r in range(lay.tp_size * lay.pp_size)
         ]
-        pool = KVStorage(shapes, self._segment(p.shm_name).buf)
-        shards = tuple(pool.gather(r, list(p.block_ids), p.prompt_len) for r in range(len(shapes)))
-        return SequenceKV(lay, p.prompt_len, shards)
+        return PagedKV(KVStorage(shapes, self._segment(p.shm_name).buf), lay, tuple(p.block_ids), p.prompt_len)
 
     def _segment(self, name: str) -> shared_memory.SharedMemory:
         with self._lock:

@@ -5,10 +5,12 @@ request is answered through its response sender as the engine produces tokens, s
 are in flight per instance (in-flight batching). The request parameter `request_type` picks the
 phase; a request with `stop=true` and the id of a request in flight cancels it and frees its KV,
 as with the tensorrtllm backend. A prefill instance keeps its KV pool in shared memory and runs a
-transfer agent; a decode instance pulls imported KV through a `KVPuller`.
+transfer agent; a decode instance claims the handed-off KV through a `KVPuller` and copies it
+straight into the blocks it reserved.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -21,6 +23,7 @@ import triton_python_backend_utils as pb_utils
 
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.loop import EngineLoop
+from disagg.engine.paged_kv import PagedKV
 from disagg.triton import load_board
 from disagg.triton.metrics import EngineMetrics
 from disagg.triton.paths import model_param, repository_root, resolve_path
@@ -140,23 +143,28 @@ class TritonPythonModel:
             elif call.request_type == "generation_only":
                 self.pulls.submit(self._pull_and_submit, call, Stream(sender, call))
             else:
-                self._submit(call, Stream(sender, call), None)
+                self._start(self._request(call, None), Stream(sender, call))
         return None
 
     # -- request lifecycle -------------------------------------------------------------------------
-    def _submit(self, call: EngineCall, stream: Stream, context: ContextPhase | None) -> None:
+    @staticmethod
+    def _request(call: EngineCall, context: ContextPhase | None) -> Request:
         req_id = call.request_id or uuid.uuid4().hex
-        request = Request(req_id, call.input_ids, call.max_new_tokens, call.request_type, call.sampling, call.end_id, context)
+        return Request(req_id, call.input_ids, call.max_new_tokens, call.request_type, call.sampling, call.end_id, context)
+
+    def _start(self, request: Request, stream: Stream) -> None:
         with self._lock:
-            self.streams[req_id] = stream
+            self.streams[request.req_id] = stream
         try:
-            self.loop.submit(request, lambda out: self._on_output(req_id, stream, out))
+            self.loop.submit(request, lambda out: self._on_output(request.req_id, stream, out))
         except (RequestError, ValueError) as exc:
-            with self._lock:
-                self.streams.pop(req_id, None)
+            self._forget(request.req_id)
             stream.fail(str(exc))
 
     def _pull_and_submit(self, call: EngineCall, stream: Stream) -> None:
+        """The handoff on a pull thread: claim prefill's blocks, reserve ours, copy straight across, ack.
+        When this engine has no room right now the KV is copied out instead and the request waits, so
+        prefill's blocks are freed without waiting for decode to have room."""
         if call.context_phase_params is None:
             stream.fail("context_phase_params: required for a generation_only request")
             return
@@ -164,20 +172,44 @@ class TritonPythonModel:
             params = ContextPhaseParams.from_bytes(call.context_phase_params)
             if params.prompt_len != len(call.input_ids):
                 raise ContextParamsError(f"context_phase_params: describes a {params.prompt_len}-token prompt, input_ids has {len(call.input_ids)}")
-            pulled = self.puller.pull(params)
+            claim = self.puller.claim(params)
         except ContextParamsError as exc:
             stream.fail(str(exc))
             return
-        self.metrics.handoff_bytes.increment(pulled.nbytes)
-        self.metrics.handoff_seconds.increment(pulled.seconds)
-        self.metrics.handoff_count.increment(1)
-        if stream.cancelled():
-            stream.finish()
+        request = self._request(call, ContextPhase(params.first_token, claim.kv))
+        with self._lock:
+            self.streams[request.req_id] = stream
+        blocks = None
+        try:
+            try:
+                blocks = self.loop.begin_import(request, lambda out: self._on_output(request.req_id, stream, out))
+                if blocks is not None:
+                    claim.kv.copy_into(self.loop.engine.kv, self.loop.engine.layout, blocks)
+                elif isinstance(claim.kv, PagedKV):
+                    request = dataclasses.replace(request, context=ContextPhase(params.first_token, claim.kv.gather()))
+            finally:
+                seconds = self.puller.ack(claim)  # prefill's blocks are freed whatever happened here
+        except (RequestError, ContextParamsError, ValueError) as exc:
+            if blocks is not None:
+                self.loop.finish_import(request.req_id, copied=False)
+            self._forget(request.req_id)
+            stream.fail(str(exc))
             return
-        self._submit(call, stream, ContextPhase(params.first_token, pulled.kv))
+        self.metrics.handoff_bytes.increment(claim.kv.nbytes)
+        self.metrics.handoff_seconds.increment(seconds)
+        self.metrics.handoff_count.increment(1)
+        if blocks is not None:
+            if not self.loop.finish_import(request.req_id, copied=not stream.cancelled()):
+                self._forget(request.req_id)
+                stream.finish()
+        elif stream.cancelled():
+            self._forget(request.req_id)
+            stream.finish()
+        else:
+            self._start(request, stream)
 
     def _on_output(self, req_id: str, stream: Stream, out: StepOutput) -> None:
-        if stream.cancelled():
+        if stream.closed or stream.cancelled():  # closed: stopped while its KV was being pulled
             raise RuntimeError("cancelled by the client")  # the loop aborts the request and frees its KV
         if out.error:
             self._forget(req_id)
