@@ -274,9 +274,9 @@ def _engine_tensor(name: str, value, dtype: str, np_type) -> grpcclient.InferInp
 
 
 def test_cancelled_stream_stops_decode_and_frees_its_kv(server, cpu_tiny_project):
-    """Cancel after 3 of 300 tokens. Triton 2.51 delivers a gRPC cancellation to the model a client
-    called, not to the second step of an ensemble, so this calls the orchestrator with token ids."""
-    before = by_role(scrape(server.metrics_url))["disagg_orchestrator_cancelled_total"]["orchestrator-disaggregated"]
+    """Cancel after 3 of 300 tokens, calling the orchestrator directly with token ids: it sees the gRPC
+    cancellation on its own response sender."""
+    before = _cancelled_total(server, "orchestrator-disaggregated")
     client = grpcclient.InferenceServerClient(server.grpc_url)
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -287,20 +287,18 @@ def test_cancelled_stream_stops_decode_and_frees_its_kv(server, cpu_tiny_project
         _engine_tensor("end_id", [[_never_token(cpu_tiny_project)]], "INT32", np.int32),
         _engine_tensor("streaming", [[True]], "BOOL", bool),
     ]
-    client.async_stream_infer("disagg_orchestrator", inputs, enable_empty_final_response=True)
-    for _ in range(3):
-        result, error = got.get(timeout=30)
-        assert error is None, error.message()
-        assert not result.get_response().parameters["triton_final_response"].bool_param
-    client.stop_stream(cancel_requests=True)
-    client.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        cancelled = by_role(scrape(server.metrics_url))["disagg_orchestrator_cancelled_total"]["orchestrator-disaggregated"]
-        if cancelled > before:
-            break
-        time.sleep(0.05)
-    assert cancelled == before + 1
+    with _busy(server, cpu_tiny_project, "ensemble"):
+        client.async_stream_infer("disagg_orchestrator", inputs, enable_empty_final_response=True)
+        for _ in range(3):
+            result, error = got.get(timeout=30)
+            assert error is None, error.message()
+            assert not result.get_response().parameters["triton_final_response"].bool_param
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        deadline = time.monotonic() + 5
+        while _cancelled_total(server, "orchestrator-disaggregated") == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert _cancelled_total(server, "orchestrator-disaggregated") == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
     assert by_role(scrape(server.metrics_url))["disagg_requests_in_flight"]["decode"] == 0
 
@@ -309,22 +307,48 @@ def _cancelled_total(server, role: str) -> float:
     return by_role(scrape(server.metrics_url))["disagg_orchestrator_cancelled_total"][role]
 
 
+@contextlib.contextmanager
+def _busy(server, project, model: str, streams: int = 8):
+    """Long requests alongside a test, so the request it cancels is still generating when the cancellation
+    is seen. Through an ensemble that is at the stream's next postprocessing call, and a lone tiny-model
+    engine can produce all 300 tokens before postprocessing gets there. These requests are not streamed:
+    they slow the engine's steps without queueing work for postprocessing."""
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            stream(server.grpc_url, model, f"background {i}", 300, streaming=False, end_id=_never_token(project))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("model, role", [("ensemble", "orchestrator-disaggregated"), ("aggregated", "orchestrator-aggregated")])
 def test_stream_cancelled_through_the_ensemble_stops_the_engines(server, cpu_tiny_project, model, role):
     """Through an ensemble only postprocessing hears of the cancellation; it raises the request's cancel
     flag and the orchestrator stops the engines: counted as a cancellation, not run to its 300 tokens."""
     before = _cancelled_total(server, role)
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
-    client.async_stream_infer(model, build_inputs("Call me", 300, end_id=_never_token(cpu_tiny_project)), enable_empty_final_response=True)
-    for _ in range(3):
-        assert got.get(timeout=30)[1] is None
-    client.stop_stream(cancel_requests=True)
-    client.close()
-    deadline = time.monotonic() + 5
-    while _cancelled_total(server, role) == before and time.monotonic() < deadline:
-        time.sleep(0.02)
+    with _busy(server, cpu_tiny_project, model):
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        got: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer(model, build_inputs("Call me", 300, end_id=_never_token(cpu_tiny_project)), enable_empty_final_response=True)
+        for _ in range(3):
+            assert got.get(timeout=30)[1] is None
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        deadline = time.monotonic() + 5
+        while _cancelled_total(server, role) == before and time.monotonic() < deadline:
+            time.sleep(0.02)
     assert _cancelled_total(server, role) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
     key = board_key(cpu_tiny_project / "model_repository")
@@ -335,19 +359,20 @@ def test_http_stream_closed_by_the_client_is_cancelled(server, cpu_tiny_project)
     """Closing the connection of /generate_stream mid-way cancels the request like a gRPC cancel."""
     role = "orchestrator-disaggregated"
     before = _cancelled_total(server, role)
-    host, port = server.http_url.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = {"text_input": "Call me", "max_tokens": 300, "end_id": _never_token(cpu_tiny_project), "stream": True}
-    conn.request("POST", "/v2/models/ensemble/generate_stream", json.dumps(body))
-    response = conn.getresponse()
-    events = 0
-    while events < 3:
-        events += response.fp.readline().startswith(b"data:")
-    conn.sock.close()
-    conn.close()
-    deadline = time.monotonic() + 5
-    while _cancelled_total(server, role) == before and time.monotonic() < deadline:
-        time.sleep(0.02)
+    with _busy(server, cpu_tiny_project, "ensemble"):
+        host, port = server.http_url.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = {"text_input": "Call me", "max_tokens": 300, "end_id": _never_token(cpu_tiny_project), "stream": True}
+        conn.request("POST", "/v2/models/ensemble/generate_stream", json.dumps(body))
+        response = conn.getresponse()
+        events = 0
+        while events < 3:
+            events += response.fp.readline().startswith(b"data:")
+        conn.sock.close()
+        conn.close()
+        deadline = time.monotonic() + 5
+        while _cancelled_total(server, role) == before and time.monotonic() < deadline:
+            time.sleep(0.02)
     assert _cancelled_total(server, role) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
 

@@ -241,8 +241,8 @@ class TritonPythonModel:
         except HopError as exc:
             message = str(exc)
             self.failures.increment(1)
+            self._quietly(lambda: client.fail(message))  # first: a hung engine must not delay the error
             self._stop_everywhere(request_id)
-            self._quietly(lambda: client.fail(message))
         finally:
             flag.close()
             self._track(-1)
@@ -290,8 +290,10 @@ class TritonPythonModel:
         hop = Hop(self.engine_url, model, inputs, request_id, request_type)
         try:
             yield hop
-        finally:
-            hop.close()
+        except BaseException:
+            hop.close(cancel=True)  # the engine may never finish the stream (a timeout, a hung engine)
+            raise
+        hop.close()
 
     @staticmethod
     def _quietly(fn) -> None:

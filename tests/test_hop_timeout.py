@@ -1,0 +1,61 @@
+"""A hop that never answers: the client gets an error naming the hop when its timeout runs out, prefill's
+held KV is freed, and the server keeps serving (real tritonserver; `decode` is replaced by a model that
+accepts requests and never responds)."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import yaml
+
+from disagg.cli import main
+from disagg.serve.metrics import by_role, scrape
+from tools.stream_client import StreamError, stream
+
+pytestmark = pytest.mark.e2e
+
+DECODE_TIMEOUT_S = 1.0
+
+SILENT_MODEL = '''
+class TritonPythonModel:
+    """Takes every request and never answers it: a decode engine that hangs."""
+
+    def initialize(self, args):
+        self.senders = []
+
+    def execute(self, requests):
+        self.senders += [r.get_response_sender() for r in requests]
+        return None
+'''
+
+
+@pytest.fixture(scope="module")
+def server(new_project, start_triton):
+    project = new_project("hop-timeout")
+    spec_path = project / "configs" / "cpu-tiny.yaml"
+    raw = yaml.safe_load(spec_path.read_text())
+    raw["orchestrator"]["decode_timeout_s"] = DECODE_TIMEOUT_S
+    spec_path.write_text(yaml.safe_dump(raw))
+    with contextlib.chdir(project):
+        assert main(["--config", "configs/cpu-tiny.yaml"]) == 0
+    (project / "model_repository" / "decode" / "1" / "model.py").write_text(SILENT_MODEL)
+    s = start_triton(project / "model_repository")
+    yield s
+    s.stop()
+
+
+def test_a_silent_decode_times_out_with_the_hop_named_and_frees_prefill(server):
+    start = time.monotonic()
+    with pytest.raises(StreamError, match=rf"decode: no response within {DECODE_TIMEOUT_S:g} s$") as err:
+        stream(server.grpc_url, "ensemble", "Call me Ishmael.", 8, timeout_s=30)
+    waited = time.monotonic() - start
+    assert DECODE_TIMEOUT_S <= waited < DECODE_TIMEOUT_S + 1.0, waited  # the error comes before the cleanup
+    assert str(err.value).startswith("in ensemble 'ensemble', ")
+    deadline = time.monotonic() + 5
+    while (used := by_role(scrape(server.metrics_url))["disagg_kv_blocks_in_use"])["prefill"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert used == {"prefill": 0, "aggregated": 0}  # the orchestrator's stop freed the held handoff
+    metrics = by_role(scrape(server.metrics_url))
+    assert metrics["disagg_orchestrator_failures_total"]["orchestrator-disaggregated"] == 1
+    assert stream(server.grpc_url, "aggregated", "Call me Ishmael.", 8).text  # the rest still serves
