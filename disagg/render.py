@@ -21,7 +21,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from disagg.build.reference import engine_dir
-from disagg.spec import DeploymentSpec
+from disagg.spec import ROLES, DeploymentSpec
+from disagg.triton.contract import ENGINE_GRPC_PORT
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "python"
 
@@ -148,6 +149,19 @@ def _engine_models(spec: DeploymentSpec) -> list[Model]:
     return models
 
 
+def engine_urls(spec: DeploymentSpec) -> str:
+    """The orchestrator's `engine_urls`: engine models that another node's server serves. The front end
+    runs with the first role's pool (see disagg.trtllm.render), every other pool at its standard port."""
+    roles = [spec.roles[name] for name in ROLES if name in spec.roles]
+    front = roles[0].node
+    remote = []
+    for role in roles:
+        if role.node != front:
+            names = decode_models(spec) if role.name == "decode" else [ENGINE_MODELS[role.name]]
+            remote += [f"{name}={role.node}:{ENGINE_GRPC_PORT}" for name in names]
+    return ",".join(remote)
+
+
 def _entry_models(spec: DeploymentSpec) -> list[Model]:
     """Orchestrator + ensemble per path; the baseline goes through exactly the same front."""
     o = spec.orchestrator
@@ -156,6 +170,7 @@ def _entry_models(spec: DeploymentSpec) -> list[Model]:
         "prefill_timeout_s": o.prefill_timeout_s,
         "decode_timeout_s": o.decode_timeout_s,
         "max_in_flight": o.max_in_flight,
+        "engine_urls": engine_urls(spec),
     }
     paths = []
     if spec.disaggregated:

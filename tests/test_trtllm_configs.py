@@ -10,7 +10,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from disagg.render import engine_urls, plan_models
 from disagg.spec import SpecError
+from disagg.triton.contract import parse_engine_urls
 from disagg.trtllm.build import dry_run_lines
 from disagg.trtllm.render import render_engine_config, render_launch_script
 from trtllm_helpers import example_spec, model_dir
@@ -192,6 +194,20 @@ def test_two_pools_get_one_script_and_world_each(tmp_path):
     assert "calls this pool's models over gRPC at decode-pool:8001" in scripts["launch-decode-pool.sh"]
     assert _exports(scripts["launch-decode-pool.sh"])["TRTLLM_USE_UCX_KVCACHE"] == "1"
     assert "UCX_MEMTYPE_CACHE" not in _exports(scripts["launch-decode-pool.sh"])  # nvlink: false
+
+
+def test_the_front_pool_orchestrator_calls_the_decode_pool_at_its_server(tmp_path):
+    two_pools = example_spec("two-pools", model_dir(tmp_path))
+    assert engine_urls(two_pools) == "decode=decode-pool:8001"
+    orchestrator = next(m for m in plan_models(two_pools) if m.name == "disagg_orchestrator")
+    assert parse_engine_urls(_params(_parse(orchestrator.config))["engine_urls"]) == {"decode": "decode-pool:8001"}
+    assert engine_urls(example_spec("h200x8-intra-node", model_dir(tmp_path))) == ""  # one node: all local
+
+
+@pytest.mark.parametrize("value", ["decode", "decode=", "=h:1", "decode=host"])
+def test_a_malformed_engine_url_is_refused(value):
+    with pytest.raises(ValueError, match="is not model=host:port"):
+        parse_engine_urls(value)
 
 
 @pytest.mark.parametrize(

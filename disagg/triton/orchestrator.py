@@ -40,7 +40,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
 from disagg.triton import cancel_board, load_board
-from disagg.triton.contract import DEFAULT_ENGINE_URL, ENGINE_URL_ENV, FORWARDED_INPUTS, OUTPUTS_READ
+from disagg.triton.contract import DEFAULT_ENGINE_URL, ENGINE_URL_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls
 from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics
 from disagg.triton.paths import model_param, repository_root
 
@@ -187,7 +187,9 @@ class TritonPythonModel:
         self.board_key = load_board.board_key(repository_root(args))
         self.instance = args["model_instance_name"]
         cancel_board.remove_leftovers(self.board_key, self.instance)
-        self.engine_url = os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL)
+        local = os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL)
+        remote = parse_engine_urls(model_param(args, "engine_urls"))
+        self.engine_urls = {model: remote.get(model, local) for model in self.engines}
         self.dispatched: dict[str, int] = {}
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
@@ -287,7 +289,7 @@ class TritonPythonModel:
 
     @contextlib.contextmanager
     def _hop(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
-        hop = Hop(self.engine_url, model, inputs, request_id, request_type)
+        hop = Hop(self.engine_urls[model], model, inputs, request_id, request_type)
         try:
             yield hop
         except BaseException:

@@ -18,7 +18,7 @@ from pathlib import Path
 import jinja2
 
 from disagg.render import ENGINE_MODELS, plan_models
-from disagg.triton.contract import ENGINE_URL_ENV
+from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_URL_ENV
 from disagg.spec import ROLES, DeploymentSpec, RoleSpec, SpecError
 from disagg.trtllm import versions
 from disagg.trtllm.commands import engine_dir, role_spec
@@ -28,7 +28,7 @@ TRTLLM_KV_BACKENDS = ("ucx", "nixl", "mpi")
 # The orchestrator cancels requests whose client went away; this bounds how long such a request keeps
 # decoding (and holding KV blocks). Upstream's default is 100 ms.
 CANCELLATION_CHECK_PERIOD_MS = 20
-PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}  # launch_triton_server.py's defaults
+PORTS = {"http": 8000, "grpc": ENGINE_GRPC_PORT, "metrics": 8002}  # launch_triton_server.py's defaults
 # UCX settings that put KV transfers on NVLink ("Set A" in TensorRT-LLM's disaggregated-serving docs).
 NVLINK_ENV = (
     ("UCX_MEMTYPE_CACHE", "n"),
