@@ -295,16 +295,21 @@ def test_cancelled_stream_stops_decode_and_frees_its_kv(server, cpu_tiny_project
             assert not result.get_response().parameters["triton_final_response"].bool_param
         client.stop_stream(cancel_requests=True)
         client.close()
-        deadline = time.monotonic() + 5
-        while _cancelled_total(server, "orchestrator-disaggregated") == before and time.monotonic() < deadline:
-            time.sleep(0.02)
-    assert _cancelled_total(server, "orchestrator-disaggregated") == before + 1
+        assert _cancels_after(server, "orchestrator-disaggregated", before) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
     assert by_role(scrape(server.metrics_url))["disagg_requests_in_flight"]["decode"] == 0
 
 
 def _cancelled_total(server, role: str) -> float:
     return by_role(scrape(server.metrics_url))["disagg_orchestrator_cancelled_total"][role]
+
+
+def _cancels_after(server, role: str, before: float, timeout_s: float = 5.0) -> float:
+    """The orchestrator's cancellation count once it has moved past `before`, or after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while (count := _cancelled_total(server, role)) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return count
 
 
 @contextlib.contextmanager
@@ -346,10 +351,7 @@ def test_stream_cancelled_through_the_ensemble_stops_the_engines(server, cpu_tin
             assert got.get(timeout=30)[1] is None
         client.stop_stream(cancel_requests=True)
         client.close()
-        deadline = time.monotonic() + 5
-        while _cancelled_total(server, role) == before and time.monotonic() < deadline:
-            time.sleep(0.02)
-    assert _cancelled_total(server, role) == before + 1
+        assert _cancels_after(server, role, before) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
     key = board_key(cpu_tiny_project / "model_repository")
     assert not list(board_dir().glob(f"disagg-cancel-{key}-*")), "a cancel flag outlived its request"
@@ -370,10 +372,7 @@ def test_http_stream_closed_by_the_client_is_cancelled(server, cpu_tiny_project)
             events += response.fp.readline().startswith(b"data:")
         conn.sock.close()
         conn.close()
-        deadline = time.monotonic() + 5
-        while _cancelled_total(server, role) == before and time.monotonic() < deadline:
-            time.sleep(0.02)
-    assert _cancelled_total(server, role) == before + 1
+        assert _cancels_after(server, role, before) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
 
 
