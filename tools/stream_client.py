@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TTFT {r.ttft * 1e3:.1f} ms (send -> first text), {len(r.chunks)} responses")
     if r.itl:
         p50, p95 = np.percentile(np.array(r.itl) * 1e3, [50, 95])
-        print(f"ITL p50 {p50:.2f} ms, p95 {p95:.2f} ms (gaps between streamed responses)")
+        print(f"ITL p50 {p50:.2f} ms, p95 {p95:.2f} ms (gaps between responses that carry text)")
         print(f"{r.tokens_per_s:.1f} tokens/s (decode rate, one token per response)")
     return 0
 
