@@ -59,3 +59,5 @@ def test_a_silent_decode_times_out_with_the_hop_named_and_frees_prefill(server):
     metrics = by_role(scrape(server.metrics_url))
     assert metrics["disagg_orchestrator_failures_total"]["orchestrator-disaggregated"] == 1
     assert stream(server.grpc_url, "aggregated", "Call me Ishmael.", 8).text  # the rest still serves
+    log = server.log_path.read_text()
+    assert f"failed: decode: no response within {DECODE_TIMEOUT_S:g} s" in log  # the operator sees it too

@@ -289,6 +289,8 @@ class TritonPythonModel:
             message = str(exc)
             self.failures.increment(1)
             self._quietly(lambda: client.fail(message))  # first: a hung engine must not delay the error
+            with STUB_LOCK:
+                pb_utils.Logger.log_warn(f"{self.instance}: request {request_id} failed: {message}")
             self._stop_everywhere(request_id)
         finally:
             flag.close()
