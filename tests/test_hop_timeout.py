@@ -1,6 +1,6 @@
-"""A hop that never answers: the client gets an error naming the hop when its timeout runs out, prefill's
-held KV is freed, and the server keeps serving (real tritonserver; `decode` is replaced by a model that
-accepts requests and never responds)."""
+"""A hop that does not answer in time: the client gets an error naming the hop when its timeout runs out,
+prefill's held KV is freed, and the server keeps serving (real tritonserver; `decode` is replaced by a
+model that answers only long after the orchestrator's timeout)."""
 from __future__ import annotations
 
 import contextlib
@@ -18,15 +18,24 @@ pytestmark = pytest.mark.e2e
 DECODE_TIMEOUT_S = 1.0
 
 SILENT_MODEL = '''
-class TritonPythonModel:
-    """Takes every request and never answers it: a decode engine that hangs."""
+import threading
 
-    def initialize(self, args):
-        self.senders = []
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """A decode engine that hangs: it answers each request only 3 s late, with an error (so the server
+    still shuts down cleanly, with nothing in flight)."""
 
     def execute(self, requests):
-        self.senders += [r.get_response_sender() for r in requests]
+        for request in requests:
+            threading.Timer(3.0, self._late, args=(request.get_response_sender(),)).start()
         return None
+
+    @staticmethod
+    def _late(sender):
+        error = pb_utils.TritonError("answered too late")
+        sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 '''
 
 
