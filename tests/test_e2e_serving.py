@@ -357,6 +357,43 @@ def test_stream_cancelled_through_the_ensemble_stops_the_engines(server, cpu_tin
     assert not list(board_dir().glob(f"disagg-cancel-{key}-*")), "a cancel flag outlived its request"
 
 
+def test_a_storm_of_cancellations_leaves_the_server_up_and_the_kv_free(server, cpu_tiny_project):
+    """16 streams at a time, each cancelled after 1-4 tokens, 8 times over: every cancellation races the
+    orchestrator's `stop` with the engine's own check. (Asking a sender whether it was cancelled after a
+    `stop` had closed it crashed the server, Signal 11, within 8 such rounds.)"""
+    never = _never_token(cpu_tiny_project)
+
+    def one(i: int, errors: list) -> None:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        got: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer("disagg_orchestrator" if i % 2 else "aggregated_orchestrator", [
+            _engine_tensor("input_ids", [[0, 41 + i, 273, 77]], "INT32", np.int32),
+            _engine_tensor("input_lengths", [[4]], "INT32", np.int32),
+            _engine_tensor("request_output_len", [[200]], "INT32", np.int32),
+            _engine_tensor("end_id", [[never]], "INT32", np.int32),
+            _engine_tensor("streaming", [[True]], "BOOL", bool),
+        ], enable_empty_final_response=True)
+        for _ in range(1 + i % 4):
+            error = got.get(timeout=30)[1]
+            if error is not None:
+                errors.append(error.message())
+                break
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+    for _ in range(8):
+        errors: list[str] = []
+        threads = [threading.Thread(target=one, args=(i, errors)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+    assert wait_kv_zero(server, timeout_s=10.0) == {"prefill": 0, "decode": 0, "aggregated": 0}
+    assert stream(server.grpc_url, "ensemble", PROMPTS[0], 8).text  # still serving
+
+
 def test_http_stream_closed_by_the_client_is_cancelled(server, cpu_tiny_project):
     """Closing the connection of /generate_stream mid-way cancels the request like a gRPC cancel."""
     role = "orchestrator-disaggregated"

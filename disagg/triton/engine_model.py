@@ -34,6 +34,7 @@ from disagg.transfer.puller import KVPuller
 from disagg.transfer.shm import SharedPool
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_CHECK_S = 0.02  # as the tensorrtllm configs' cancellation_check_period_ms
 
 
 def _tensor(name: str, array: np.ndarray):
@@ -57,10 +58,24 @@ class Stream:
         self.arrival_ns = time.time_ns()
         self.first_token_ns = 0
         self.closed = False
+        self._cancelled = False
+        self._next_check = 0.0
         self._lock = threading.Lock()
 
     def cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        """True once the client has cancelled or the stream is closed. Asks Triton at most every
+        CANCEL_CHECK_S (an IPC round trip, on the engine loop's path for every token), and never once
+        the final response is out: the sender's factory is freed then, and asking crashed the server
+        (Signal 11 in TRITONBACKEND_ResponseFactoryIsCancelled) when a `stop` closed a stream while
+        the loop thread was checking it."""
+        with self._lock:
+            if self.closed or self._cancelled:
+                return True
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + CANCEL_CHECK_S
+                self._cancelled = self.sender.is_cancelled()
+            return self._cancelled
 
     def token(self, token: int) -> None:
         with self._lock:
@@ -209,8 +224,8 @@ class TritonPythonModel:
             self._start(request, stream)
 
     def _on_output(self, req_id: str, stream: Stream, out: StepOutput) -> None:
-        if stream.closed or stream.cancelled():  # closed: stopped while its KV was being pulled
-            raise RuntimeError("cancelled by the client")  # the loop aborts the request and frees its KV
+        if stream.cancelled():  # by the client, or closed by a `stop` (possibly while its KV was pulled)
+            raise RuntimeError("cancelled")  # the loop aborts the request and frees its KV
         if out.error:
             self._forget(req_id)
             stream.fail(out.error)
