@@ -38,6 +38,11 @@ def decode_models(spec: DeploymentSpec) -> list[str]:
     return ["decode"] + [f"decode_{i}" for i in range(1, count)]
 
 
+def role_models(spec: DeploymentSpec, role: str) -> list[str]:
+    """The engine models that serve `role` (several for a reference decode pool, see decode_models)."""
+    return decode_models(spec) if role == "decode" else [ENGINE_MODELS[role]]
+
+
 class RenderError(ValueError):
     """A rendered file is invalid; the message names the model."""
 
@@ -133,7 +138,7 @@ def _engine_models(spec: DeploymentSpec) -> list[Model]:
     kv = spec.kv_transfer
     models = []
     for role in spec.roles.values():
-        names = decode_models(spec) if role.name == "decode" else [ENGINE_MODELS[role.name]]
+        names = role_models(spec, role.name)
         instances = 1 if role.name == "decode" else role.instances
         for name in names:
             models.append(_python_model(
@@ -157,8 +162,7 @@ def engine_urls(spec: DeploymentSpec) -> str:
     remote = []
     for role in roles:
         if role.node != front:
-            names = decode_models(spec) if role.name == "decode" else [ENGINE_MODELS[role.name]]
-            remote += [f"{name}={role.node}:{ENGINE_GRPC_PORT}" for name in names]
+            remote += [f"{name}={role.node}:{ENGINE_GRPC_PORT}" for name in role_models(spec, role.name)]
     return ",".join(remote)
 
 

@@ -43,3 +43,11 @@ def test_an_instance_removes_only_its_own_leftovers(board):
     theirs = cancel_board.CancelFlag("k", "orch_0_1", "r0")
     assert cancel_board.remove_leftovers("k", "orch_0_0") == 3
     assert not any(f.path.exists() for f in mine) and theirs.path.exists()
+
+
+def test_a_throttle_is_due_at_most_once_per_period():
+    now, later = cancel_board.Throttle(60.0), cancel_board.Throttle(60.0, due_now=False)
+    assert [now.due(), now.due()] == [True, False]
+    assert later.due() is False
+    fast = cancel_board.Throttle(0.0)
+    assert [fast.due(), fast.due()] == [True, True]

@@ -319,10 +319,11 @@ def _busy(server, project, model: str, streams: int = 8):
     engine can produce all 300 tokens before postprocessing gets there. These requests are not streamed:
     they slow the engine's steps without queueing work for postprocessing."""
     errors: list[str] = []
+    never = _never_token(project)
 
     def one(i: int) -> None:
         try:
-            stream(server.grpc_url, model, f"background {i}", 300, streaming=False, end_id=_never_token(project))
+            stream(server.grpc_url, model, f"background {i}", 300, streaming=False, end_id=never)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(repr(exc))
 

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from disagg.engine.kv_cache import KVShape, KVStorage
+from disagg.engine.kv_cache import KVShape, KVStorage, blocks_for
 from disagg.engine.kv_wire import KVLayout
 from disagg.engine.paged_kv import PagedKV
 
@@ -31,9 +31,9 @@ def pool(tp: int, pp: int, tpb: int, rng=None) -> tuple[KVStorage, KVLayout]:
 def test_copy_into_equals_gather_reshard_scatter(src_shard, dst_shard, src_tpb, dst_tpb, tokens):
     rng = np.random.default_rng(0)
     src, src_layout = pool(*src_shard, src_tpb, rng)
-    src_blocks = tuple(int(b) for b in rng.permutation(BLOCKS)[: -(-tokens // src_tpb)])
+    src_blocks = tuple(int(b) for b in rng.permutation(BLOCKS)[: blocks_for(tokens, src_tpb)])
     paged = PagedKV(src, src_layout, src_blocks, tokens)
-    dst_blocks = [int(b) for b in rng.permutation(BLOCKS)[: -(-tokens // dst_tpb)]]
+    dst_blocks = [int(b) for b in rng.permutation(BLOCKS)[: blocks_for(tokens, dst_tpb)]]
 
     direct, dst_layout = pool(*dst_shard, dst_tpb)
     paged.copy_into(direct, dst_layout, dst_blocks)

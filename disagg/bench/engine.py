@@ -17,6 +17,7 @@ import numpy as np
 from disagg.checkpoint import generate_checkpoint
 from disagg.engine.config import BuildConfig, EngineConfig, LlamaConfig, Mapping
 from disagg.engine.engine import LLMEngine, Request
+from disagg.engine.kv_cache import blocks_for
 from disagg.engine.weights import load_hf_weights, write_engine
 
 
@@ -50,7 +51,7 @@ def build_engine(root: Path, preset: str, max_batch: int, prompt_len: int, decod
     cfg = LlamaConfig.from_dir(ckpt)
     seq = prompt_len + decode_steps + 2
     tpb = 16
-    limits = BuildConfig(max_batch, prompt_len, seq, max(prompt_len, max_batch), tpb, max_batch * -(-seq // tpb))
+    limits = BuildConfig(max_batch, prompt_len, seq, max(prompt_len, max_batch), tpb, max_batch * blocks_for(seq, tpb))
     out = root / "bench-engines" / f"{preset}-b{max_batch}-p{prompt_len}-s{seq}"
     if not (out / "config.json").is_file():
         write_engine(out, EngineConfig("aggregated", cfg, Mapping(1, 1), limits), load_hf_weights(ckpt))

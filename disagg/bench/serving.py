@@ -27,10 +27,8 @@ import tritonclient.grpc as grpcclient
 
 from disagg.bench.engine import build_engine
 from disagg.engine.engine import LLMEngine, Request
-from disagg.engine.kv_cache import KVStorage
-from disagg.engine.kv_wire import SequenceKV
+from disagg.engine.kv_cache import KVStorage, blocks_for
 from disagg.engine.loop import EngineLoop
-from disagg.engine.paged_kv import PagedKV
 from disagg.transfer.agent import TransferAgent
 from disagg.transfer.puller import KVPuller
 from disagg.transfer.shm import SharedPool
@@ -156,24 +154,22 @@ def handoff_bandwidth(root: Path, prompt_lens: list[int], repeats: int) -> list[
         rates = {}
         for mode, transport in (("direct", "shm"), ("buffered", "shm"), ("tcp", "tcp")):
             with _prefill(engine_dir, transport) as (loop, agent):
-                puller, decode_pool = KVPuller(), None
+                puller, decode_pool = KVPuller(), _pool_like(loop.engine, tokens)
+                blocks = list(range(decode_pool.shapes[0].num_blocks))
                 seconds = []
                 for i in range(repeats + 1):
-                    claim = puller.claim(_context(loop, agent, f"{mode}-{tokens}-{i}", tokens))
-                    decode_pool = decode_pool or _pool_like(claim.kv, loop.engine)
-                    blocks = list(range(decode_pool.shapes[0].num_blocks))
+                    params = _context(loop, agent, f"{mode}-{tokens}-{i}", tokens)
                     if mode == "direct":
-                        claim.kv.copy_into(decode_pool, claim.kv.layout, blocks)
-                        elapsed = puller.ack(claim)
-                    else:
-                        kv = claim.kv.gather() if mode == "buffered" else claim.kv
-                        elapsed = puller.ack(claim)
+                        claim = puller.claim(params)
+                        claim.kv.copy_into(decode_pool, params.layout, blocks)
+                        elapsed, nbytes = puller.ack(claim), claim.kv.nbytes
+                    else:  # copy out (shm) or fetch (tcp), ack; then the scatter admission does
+                        pulled = puller.pull(params)
                         t = time.perf_counter()
-                        kv.copy_into(decode_pool, claim.kv.layout, blocks)
-                        elapsed += time.perf_counter() - t
+                        pulled.kv.copy_into(decode_pool, params.layout, blocks)
+                        elapsed, nbytes = pulled.seconds + time.perf_counter() - t, pulled.nbytes
                     if i:  # the first opens the connection, maps the segment and faults in decode's pool
                         seconds.append(elapsed)
-                nbytes = claim.kv.nbytes
                 puller.close()
             rates[mode] = nbytes / float(np.median(seconds))
         src = np.ones(nbytes // 4, dtype=np.float32)
@@ -186,9 +182,9 @@ def handoff_bandwidth(root: Path, prompt_lens: list[int], repeats: int) -> list[
     return lines
 
 
-def _pool_like(kv: PagedKV | SequenceKV, prefill: LLMEngine) -> KVStorage:
-    """A decode pool sharded like prefill, with just enough blocks for `kv`."""
-    blocks = -(-kv.num_tokens // kv.layout.tokens_per_block)
+def _pool_like(prefill: LLMEngine, tokens: int) -> KVStorage:
+    """A decode pool sharded like prefill, with just enough blocks for `tokens`."""
+    blocks = blocks_for(tokens, prefill.config.build.tokens_per_block)
     return KVStorage([dataclasses.replace(s, num_blocks=blocks) for s in prefill.kv.shapes])
 
 

@@ -172,7 +172,7 @@ class LLMEngine:
         if req.request_type != "generation_only":
             raise RequestError(f"request_type: {req.request_type!r} cannot be imported")
         b = self.config.build
-        if self.waiting or len(self.running) + len(self.importing) >= b.max_batch_size or not self.blocks.can_allocate(self._reserve(req)):
+        if self.waiting or self.num_in_batch >= b.max_batch_size or not self.blocks.can_allocate(self._reserve(req)):
             return None
         seq = Sequence(req, list(req.prompt_ids), status=Status.IMPORTING)
         seq.block_table = self.blocks.allocate(req.req_id, self._reserve(req))
@@ -232,6 +232,11 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     @property
+    def num_in_batch(self) -> int:
+        """Sequences that hold a batch slot: running, or having their KV copied in."""
+        return len(self.running) + len(self.importing)
+
+    @property
     def num_in_flight(self) -> int:
         return len(self.waiting) + len(self.importing) + len(self.running)
 
@@ -241,7 +246,7 @@ class LLMEngine:
         b = self.config.build
         budget = b.max_num_tokens - len(self.running)
         prefills: list[Sequence] = []
-        while self.waiting and len(self.running) + len(self.importing) + len(prefills) < b.max_batch_size:
+        while self.waiting and self.num_in_batch + len(prefills) < b.max_batch_size:
             seq = self.waiting[0]
             req = seq.request
             gen_only = req.request_type == "generation_only"

@@ -20,7 +20,7 @@ class EngineStats:
     """A consistent snapshot for metrics and load-based routing."""
 
     waiting: int
-    running: int
+    running: int  # in the batch, or having its KV copied in
     held: int
     blocks_used: int
     blocks_total: int
@@ -85,7 +85,7 @@ class EngineLoop:
 
     def _stats(self) -> EngineStats:
         e = self.engine
-        return EngineStats(len(e.waiting), len(e.running) + len(e.importing), len(e.held), e.blocks.num_used, e.blocks.num_blocks)
+        return EngineStats(len(e.waiting), e.num_in_batch, len(e.held), e.blocks.num_used, e.blocks.num_blocks)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Aborts everything in flight and joins the thread (Triton's finalize)."""

@@ -29,6 +29,10 @@ class Claim:
     kv: PagedKV | SequenceKV  # shm: prefill's blocks in place, readable until `ack`; tcp: a copy
     started: float  # perf_counter() when the claim was sent
 
+    def contiguous(self) -> SequenceKV:
+        """The KV out of prefill's blocks (a copy for shm; the fetched payload for tcp), still usable after `ack`."""
+        return self.kv.gather() if isinstance(self.kv, PagedKV) else self.kv
+
 
 @dataclass(frozen=True)
 class PullResult:
@@ -63,7 +67,7 @@ class KVPuller:
     def pull(self, params: ContextPhaseParams) -> PullResult:
         """Claim, copy the KV out into a contiguous `SequenceKV`, ack."""
         claim = self.claim(params)
-        kv = claim.kv.gather() if isinstance(claim.kv, PagedKV) else claim.kv
+        kv = claim.contiguous()
         return PullResult(kv, kv.nbytes, self.ack(claim))
 
     def _map_shm(self, p: ContextPhaseParams) -> PagedKV:

@@ -8,11 +8,15 @@ when it sees its own request cancelled. The orchestrator polls the flag with its
 
 Postprocessing never creates a flag file: one raised after its stream ended does nothing and leaves
 nothing behind. An orchestrator instance removes its own leftovers (from a crash) when it starts.
+
+Asking Triton whether a request is cancelled is an IPC round trip, too dear for every token: every
+model paces its checks with a `Throttle`.
 """
 from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 from disagg.triton.load_board import board_dir
@@ -63,3 +67,18 @@ def remove_leftovers(key: str, owner: str) -> int:
     for path in stale:
         path.unlink(missing_ok=True)
     return len(stale)
+
+
+class Throttle:
+    """`due()` is True at most once per `period_s`: at once on the first call, or only after a period."""
+
+    def __init__(self, period_s: float, due_now: bool = True):
+        self.period_s = period_s
+        self._next = 0.0 if due_now else time.monotonic() + period_s
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.period_s
+        return True

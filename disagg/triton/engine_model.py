@@ -23,8 +23,8 @@ import triton_python_backend_utils as pb_utils
 
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.loop import EngineLoop
-from disagg.engine.paged_kv import PagedKV
 from disagg.triton import load_board
+from disagg.triton.cancel_board import Throttle
 from disagg.triton.metrics import EngineMetrics
 from disagg.triton.paths import model_param, repository_root, resolve_path
 from disagg.triton.tensors import EngineCall, parse_engine_call
@@ -59,7 +59,7 @@ class Stream:
         self.first_token_ns = 0
         self.closed = False
         self._cancelled = False
-        self._next_check = 0.0
+        self._check = Throttle(CANCEL_CHECK_S)
         self._lock = threading.Lock()
 
     def cancelled(self) -> bool:
@@ -71,9 +71,7 @@ class Stream:
         with self._lock:
             if self.closed or self._cancelled:
                 return True
-            now = time.monotonic()
-            if now >= self._next_check:
-                self._next_check = now + CANCEL_CHECK_S
+            if self._check.due():
                 self._cancelled = self.sender.is_cancelled()
             return self._cancelled
 
@@ -200,8 +198,8 @@ class TritonPythonModel:
                 blocks = self.loop.begin_import(request, lambda out: self._on_output(request.req_id, stream, out))
                 if blocks is not None:
                     claim.kv.copy_into(self.loop.engine.kv, self.loop.engine.layout, blocks)
-                elif isinstance(claim.kv, PagedKV):
-                    request = dataclasses.replace(request, context=ContextPhase(params.first_token, claim.kv.gather()))
+                else:
+                    request = dataclasses.replace(request, context=ContextPhase(params.first_token, claim.contiguous()))
             finally:
                 seconds = self.puller.ack(claim)  # prefill's blocks are freed whatever happened here
         except (RequestError, ContextParamsError, ValueError) as exc:

@@ -141,15 +141,14 @@ class Hop:
     def results(self, timeout_s: float, cancelled):
         """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms."""
         deadline = time.monotonic() + timeout_s
-        next_check = time.monotonic() + CANCEL_CHECK_S
+        check = cancel_board.Throttle(CANCEL_CHECK_S, due_now=False)
         while True:
             try:
                 item = self.results_queue.get(timeout=CANCEL_CHECK_S)
             except queue.Empty:
                 item = None
             now = time.monotonic()
-            if now >= next_check:  # asking is an IPC round trip: at most every CANCEL_CHECK_S, tokens or not
-                next_check = now + CANCEL_CHECK_S
+            if check.due():  # every CANCEL_CHECK_S, tokens or not
                 with STUB_LOCK:
                     is_cancelled = cancelled()
                 if is_cancelled:
@@ -175,7 +174,7 @@ class ClientStream:
         self.stream_id = stream_id.encode()
         self.tokens: list[int] = []
         self.sent = 0
-        self.next_check = 0.0
+        self.check = cancel_board.Throttle(CANCEL_CHECK_S)
 
     def emit(self, tokens: list[int]) -> None:
         self.tokens += tokens
@@ -191,19 +190,11 @@ class ClientStream:
                 pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
                 pb_utils.Tensor("prefix_length", np.asarray([[start - prefix]], dtype=np.int32)),
                 pb_utils.Tensor("is_final", np.asarray([[final]], dtype=np.bool_)),
-                pb_utils.Tensor("stream_id", np.asarray([[self._check_cancel()]], dtype=object)),
+                # postprocessing asks Triton about cancellation only when a response names the flag
+                pb_utils.Tensor("stream_id", np.asarray([[self.stream_id if self.check.due() else b""]], dtype=object)),
             ]
             self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if final else 0)
         self.sent = len(self.tokens)
-
-    def _check_cancel(self) -> bytes:
-        """The cancel flag's name, on at most one response per CANCEL_CHECK_S (else b""): asking Triton
-        whether a request is cancelled costs postprocessing an IPC round trip, a third of its work."""
-        now = time.monotonic()
-        if now < self.next_check:
-            return b""
-        self.next_check = now + CANCEL_CHECK_S
-        return self.stream_id
 
     def finish(self) -> None:
         """Streamed: a last response with no new tokens, which flushes a held-back partial character.
@@ -239,7 +230,7 @@ class TritonPythonModel:
         self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
         self.closer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hop-close")
         self.clients = ClientPool()
-        self.metrics = Metrics(f"orchestrator-{self.mode}", args["model_instance_name"])
+        self.metrics = Metrics(f"orchestrator-{self.mode}", self.instance)
         self.ttft = self.metrics.histogram("disagg_ttft_seconds", "Request arrival at the orchestrator -> first token sent", TTFT_BUCKETS)
         self.in_flight = self.metrics.gauge("disagg_orchestrator_in_flight", "Requests the orchestrator is serving")
         self.failures = self.metrics.counter("disagg_orchestrator_failures_total", "Requests ended by an error or timeout")
