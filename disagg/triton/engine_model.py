@@ -124,7 +124,6 @@ class TritonPythonModel:
         self.board_key = load_board.board_key(repository_root(args))
         self.metrics = EngineMetrics(self.role, self.instance)
         engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None)
-        self.vocab_size = engine.config.model.vocab_size
         self.loop = EngineLoop(engine)
         self.agent = None
         if self.role == "prefill":

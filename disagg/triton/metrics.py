@@ -15,7 +15,7 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-# Serialises this process's calls into the backend stub (metrics, BLS, response senders).
+# Serialises this process's calls into the backend stub (metrics, response senders, cancellation checks).
 STUB_LOCK = threading.RLock()
 
 
@@ -64,7 +64,7 @@ class Metrics:
 
 
 class EngineMetrics(Metrics):
-    """Gauges refreshed after every engine step, counters for the KV handoff."""
+    """Gauges the engine model refreshes every 0.1 s, counters for the KV handoff."""
 
     def __init__(self, role: str, instance: str):
         super().__init__(role, instance)
