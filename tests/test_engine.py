@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from engine_helpers import LIMITS, EngineFactory
 
-from disagg.engine.engine import ContextPhase, Request, RequestError
+from disagg.engine.engine import ContextPhase, Request, RequestError, StepOutput
 from disagg.engine.kv_cache import KVCacheFullError
 from disagg.engine.kv_wire import SequenceKV
 from disagg.engine.sampling import SamplingParams
@@ -27,17 +27,19 @@ def prompts(n: int, vocab: int = 512, seed: int = 7) -> list[tuple[int, ...]]:
 
 
 def disaggregated(prefill, decode, req_id, prompt, max_new, sampling=SamplingParams(), end_id=None, wire=True):
-    """context_only on `prefill`, KV through the wire format, generation_only on `decode`."""
+    """context_only on `prefill`, KV through the wire format, generation_only on `decode`: decode's tokens,
+    which start with the context phase's token again (TensorRT-LLM's generation-only request returns it)."""
     first = prefill.generate([Request(req_id, prompt, max_new, "context_only", sampling, end_id)])[req_id]
-    if not first:
-        return []
+    if req_id not in prefill.held:  # the context phase ended the request (end_id, max_new 1): nothing kept
+        return first
     kv = prefill.export_kv(req_id)
     if wire:
         kv = SequenceKV.from_bytes(kv.to_bytes())
     assert prefill.release(req_id)
     ctx = ContextPhase(first[0], kv)
-    rest = decode.generate([Request(req_id, prompt, max_new, "generation_only", sampling, end_id, ctx)])[req_id]
-    return first + rest
+    tokens = decode.generate([Request(req_id, prompt, max_new, "generation_only", sampling, end_id, ctx)])[req_id]
+    assert tokens[:1] == first
+    return tokens
 
 
 def test_disaggregated_equals_aggregated_for_20_prompts(factory):
@@ -90,7 +92,7 @@ def test_in_flight_batching_admits_new_requests_mid_decode(factory):
     engine.add_request(Request("b", p2, 6))
     tokens = []
     while engine.has_work():
-        tokens += [o.token for o in engine.step() if o.req_id == "b" and o.token is not None]
+        tokens += [t for o in engine.step() if o.req_id == "b" for t in o.tokens]
     assert tokens == alone
 
 
@@ -153,7 +155,7 @@ def test_waiting_requests_queue_until_blocks_free(factory):
     "request_kwargs, message",
     [
         (dict(prompt_ids=()), "input_ids: empty prompt"),
-        (dict(prompt_ids=(5,) * 257), "input_ids: prompt is 257 tokens, over the limit max_input_len=256"),
+        (dict(prompt_ids=(5,) * 320), r"Prompt length \(320\) exceeds maximum input length \(319\)"),
         (dict(prompt_ids=(5, 9999)), r"input_ids: token id 9999 outside the vocabulary \[0, 512\)"),
         (dict(max_new_tokens=0), "request_output_len: 0 must be >= 1"),
         (dict(max_new_tokens=400), "request_output_len: prompt 3 \\+ 400 new tokens is over the limit max_seq_len=320"),
@@ -172,7 +174,12 @@ def test_bad_requests_are_refused_with_the_field_named(factory, request_kwargs, 
 
 
 def test_context_only_that_already_finished_keeps_no_kv(factory):
+    """max_new_tokens=1, or a first token that is end_id (not returned): the request completes in the context
+    phase, before the cache transceiver would take it (TensorRT-LLM's updateRequests marks it complete)."""
     prefill = factory.engine(role="prefill")
     p = prompts(3, seed=8)[2]
-    assert len(prefill.generate([Request("one", p, 1, "context_only")])["one"]) == 1
+    first = prefill.generate([Request("one", p, 1, "context_only")])["one"]
+    assert len(first) == 1 and not prefill.held and prefill.blocks.num_used == 0
+    prefill.add_request(Request("end", p, 8, "context_only", end_id=first[0]))
+    assert prefill.step() == [StepOutput("end", (), True, "end_id")]
     assert not prefill.held and prefill.blocks.num_used == 0

@@ -52,6 +52,7 @@ def engine_config(spec: DeploymentSpec, role: RoleSpec) -> EngineConfig:
             max_num_tokens=role.max_num_tokens,
             tokens_per_block=role.tokens_per_block,
             kv_cache_blocks=role.kv_cache_blocks,
+            enable_chunked_context=role.enable_chunked_context,
         ),
         dtype=spec.model.dtype,
     )

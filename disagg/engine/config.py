@@ -92,6 +92,17 @@ class BuildConfig:
     max_num_tokens: int
     tokens_per_block: int
     kv_cache_blocks: int
+    enable_chunked_context: bool = False  # absent from engines built before it existed: off
+
+    @property
+    def engine_max_input_len(self) -> int:
+        """The longest prompt the engine accepts, whatever the request type: `max_seq_len - 1` with chunked
+        context, else `min(max_seq_len - 1, max_num_tokens)` (a whole prompt in one step), as TensorRT-LLM's
+        trtGptModel.h sets `mMaxInputLen` for engines with context FMHA and packed input. `max_input_len`
+        itself only bounds what preprocessing lets through."""
+        if self.enable_chunked_context:
+            return self.max_seq_len - 1
+        return min(self.max_seq_len - 1, self.max_num_tokens)
 
 
 @dataclass(frozen=True)

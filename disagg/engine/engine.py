@@ -1,18 +1,28 @@
 """One engine instance: requests in, tokens out, with in-flight batching over a paged KV cache.
 
-Request types follow TensorRT-LLM:
+Request types follow TensorRT-LLM's executor:
 - `context_and_generation`: prefill the prompt, then decode until a stop condition.
 - `context_only`: prefill, sample the first token, then keep the prompt's KV blocks (status HELD)
-  until `release` (the transfer agent calls it once decode has pulled them). When that first token
-  already ends the request (end_id, or max_new_tokens=1) nothing is kept.
+  until `release` (the transfer agent calls it once decode has pulled them, or when the lease runs out)
+  or `abort`. When that first token already ends the request (end_id, or max_new_tokens=1) it finishes
+  like any request and nothing is kept: the decoder marks it complete (trtGptModelInflightBatching.cpp
+  updateRequests -> kGENERATION_COMPLETE) before forwardSync hands context-only requests whose context
+  finished to the cache transceiver, so it never gets context phase params (and the tensorrtllm backend
+  answers it with an error, see disagg.triton.engine_model).
 - `generation_only`: import a prompt's KV (from any TP/PP sharding) plus the first token that the
-  context phase already produced, and continue decoding; that first token is not emitted again.
+  context phase produced, and continue decoding. That first token is returned again: TensorRT-LLM
+  re-adds it (trtGptModelInflightBatching.cpp prepareDistGenBufferAndDecoder: `addNewToken(firstGenTokens)`)
+  and counts the tokens sent from the prompt length, so its first result carries [first, second].
   The KV is copied in at admission, or, for a direct handoff, by the caller between `begin_import`
   (which reserves the blocks when the request could be admitted right away) and `finish_import`.
 
+Every result carries the tokens not returned before, as llmRequest.cpp createResult returns those past
+`getMaxSentTokenLen()`, which starts at the prompt length (llmRequest.h `mMaxSentTokenLen(mPromptLen)`).
+
 Scheduling is TensorRT-LLM's `guaranteed_no_evict`: a request is admitted only when blocks for its
 whole lifetime (prompt + max new tokens) can be reserved, so a running sequence is never preempted.
-Every `step` runs one forward over the newly admitted prompts and one token of every running sequence.
+Every `step` runs one forward over one token of every generating sequence plus the prompts that fit in
+the rest of `max_num_tokens`: whole prompts, or, with chunked context, chunks of them (`_context_chunks`).
 """
 from __future__ import annotations
 
@@ -34,6 +44,13 @@ from disagg.engine.sampling import SamplingParams, sample
 from disagg.engine.weights import read_rank
 from disagg.triton.contract import REQUEST_TYPES
 
+# What the tensorrtllm backend answers for a prompt over the engine's maximum input length, any request
+# type: LlmRequest::validate (llmRequest.cpp) throws it, executorImpl.cpp fetchNewRequests prefixes it.
+# (Upstream's exception text then adds the throwing source line and a stack trace.)
+PROMPT_TOO_LONG = (
+    "Encountered an error when fetching new request: Prompt length ({}) exceeds maximum input length ({}). "
+    "Set log level to info and check TRTGptModel logs for how maximum input length is set"
+)
 
 
 class RequestError(ValueError):
@@ -61,7 +78,8 @@ class Request:
 
 class Status(Enum):
     WAITING = "waiting"
-    RUNNING = "running"
+    CONTEXT = "context"  # in the batch, its prompt being prefilled (over several steps with chunked context)
+    RUNNING = "running"  # generating
     HELD = "held"  # context-only and finished: KV kept for the handoff
     IMPORTING = "importing"  # generation-only with blocks reserved: the caller is copying its KV in
     ABORTED = "aborted"  # aborted while importing: its blocks are freed when the copy is over
@@ -74,11 +92,15 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the cache
     num_generated: int = 0
+    num_sent: int = field(init=False)  # tokens returned so far, counted from the prompt's start
     status: Status = Status.WAITING
     arrival_ns: int = field(default_factory=time.time_ns)
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
     last_token_ns: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_sent = len(self.request.prompt_ids)
 
     @property
     def req_id(self) -> str:
@@ -87,13 +109,19 @@ class Sequence:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """One request's result of a step: a new token (None when it stopped without one) and whether it is done."""
+    """One request's result of a step: the tokens not returned before (none when it stopped without a new
+    one) and whether it is done."""
 
     req_id: str
-    token: int | None
+    tokens: tuple[int, ...]
     finished: bool
     finish_reason: str | None = None  # "length" | "end_id" | "context_done" | "error"
     error: str | None = None
+
+    @property
+    def token(self) -> int | None:
+        """The newest token returned, if any (for a context-only result: its first token)."""
+        return self.tokens[-1] if self.tokens else None
 
 
 class LLMEngine:
@@ -117,15 +145,16 @@ class LLMEngine:
 
     # -- admission -------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
-        """Raises RequestError naming the field and limit; accepts exactly what `step` can run."""
+        """Raises RequestError naming the field and limit (a prompt over the engine's maximum input length in
+        TensorRT-LLM's words, for every request type); accepts exactly what `step` can run."""
         b, vocab = self.config.build, self.config.model.vocab_size
         n = len(req.prompt_ids)
         if req.request_type not in REQUEST_TYPES:
             raise RequestError(f"request_type: {req.request_type!r} is not one of {', '.join(REQUEST_TYPES)}")
         if n == 0:
             raise RequestError("input_ids: empty prompt")
-        if n > b.max_input_len:
-            raise RequestError(f"input_ids: prompt is {n} tokens, over the limit max_input_len={b.max_input_len}")
+        if n > b.engine_max_input_len:
+            raise RequestError(PROMPT_TOO_LONG.format(n, b.engine_max_input_len))
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {vocab})")
@@ -147,8 +176,6 @@ class LLMEngine:
             if req.context.kv.num_tokens != n:
                 raise RequestError(f"context_phase_params: KV holds {req.context.kv.num_tokens} tokens, the prompt has {n}")
             req.context.kv.layout.check_compatible(self.layout)
-        elif n > b.max_num_tokens:
-            raise RequestError(f"input_ids: prompt is {n} tokens, over this engine's max_num_tokens={b.max_num_tokens}")
         if blocks_for(self._reserve(req), b.tokens_per_block) > self.blocks.num_blocks:
             raise RequestError(f"request needs more KV blocks than this engine has ({self.blocks.num_blocks})")
         if self.find(req.req_id) is not None:
@@ -241,35 +268,58 @@ class LLMEngine:
         return len(self.waiting) + len(self.importing) + len(self.running)
 
     # -- the step --------------------------------------------------------------------------------
-    def _admit(self) -> list[Sequence]:
-        """Moves waiting requests in arrival order into the batch; returns those needing a prefill."""
+    def _admit(self) -> None:
+        """Moves waiting requests, in arrival order, into the batch while it has a slot and the pool has blocks
+        for their whole lifetime. Without chunked context a prompt must also fit in this step's token budget
+        whole (`max_num_tokens`, one token per generating sequence taken first); with it, `_context_chunks`
+        spreads a prompt over as many steps as it needs."""
         b = self.config.build
         budget = b.max_num_tokens - len(self.running)
-        prefills: list[Sequence] = []
-        while self.waiting and self.num_in_batch + len(prefills) < b.max_batch_size:
+        while self.waiting and self.num_in_batch < b.max_batch_size:
             seq = self.waiting[0]
             req = seq.request
             gen_only = req.request_type == "generation_only"
-            if not gen_only and len(req.prompt_ids) > budget:
+            tokens = 1 if gen_only else len(req.prompt_ids)
+            if tokens > budget and not b.enable_chunked_context:
                 break
             if not self.blocks.can_allocate(self._reserve(req)):
                 break
             self.waiting.popleft()
             seq.block_table = self.blocks.allocate(req.req_id, self._reserve(req))
             seq.first_scheduled_ns = time.time_ns()
+            budget -= tokens
             if gen_only:
                 self._import(seq)
             else:
-                budget -= len(req.prompt_ids)
-                prefills.append(seq)
-        return prefills
+                seq.status = Status.CONTEXT
+                self.running[seq.req_id] = seq
+
+    def _context_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
+        """(sequence, end): the part of each prompt in the batch that this step prefills, given the `budget`
+        of tokens the generating sequences leave. TensorRT-LLM's first-come-first-served context chunking
+        (microBatchScheduler.cpp `setCtxRequestsChunkSize<kFIRST_COME_FIRST_SERVED>`, chunk unit
+        tokens_per_block as trtGptModelInflightBatching.cpp sets it): in arrival order, the rest of the
+        prompt when it fits, else what fits rounded down to a multiple of tokens_per_block (maybe nothing:
+        that prompt waits a step). Without chunked context `_admit` let in only prompts that fit whole."""
+        tpb = self.config.build.tokens_per_block
+        chunks = []
+        for seq in self.running.values():
+            if seq.status is not Status.CONTEXT:
+                continue
+            rest = len(seq.tokens) - seq.num_cached
+            size = rest if rest <= budget else budget // tpb * tpb
+            if size:
+                chunks.append((seq, seq.num_cached + size))
+                budget -= size
+        return chunks
 
     def _import(self, seq: Sequence) -> None:
         seq.request.context.kv.copy_into(self.kv, self.layout, seq.block_table)
         self._start(seq)
 
     def _start(self, seq: Sequence) -> None:
-        """An imported sequence joins the batch after its first token, which the context phase sampled."""
+        """An imported sequence joins the batch after its first token, which the context phase sampled; it is
+        not returned yet (`num_sent` stays at the prompt length), so its first result returns it again."""
         ctx = seq.request.context
         seq.num_cached = ctx.kv.num_tokens
         seq.tokens.append(ctx.first_token)
@@ -279,47 +329,57 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        prefills = self._admit()
+        self._admit()
         # Imported sequences that may produce nothing more finish without a forward pass.
         for seq in [s for s in self.running.values() if s.num_generated >= s.request.max_new_tokens]:
-            outputs.append(self._finish(seq, None, "length"))
-        decodes = list(self.running.values())
-        batch = [StepInput(np.asarray(s.tokens, dtype=np.int64), 0, s.block_table) for s in prefills]
-        batch += [StepInput(np.asarray(s.tokens[-1:], dtype=np.int64), s.num_cached, s.block_table) for s in decodes]
-        if not batch:
+            outputs.append(self._finish(seq, "length"))
+        decodes = [s for s in self.running.values() if s.status is Status.RUNNING]
+        work = self._context_chunks(self.config.build.max_num_tokens - len(decodes)) + [(s, len(s.tokens)) for s in decodes]
+        if not work:
             return outputs
+        batch = [StepInput(np.asarray(s.tokens[s.num_cached : end], dtype=np.int64), s.num_cached, s.block_table) for s, end in work]
         logits = self.model.forward(batch)
         now = time.time_ns()
-        for seq, row in zip(prefills + decodes, logits):
-            seq.num_cached = len(seq.tokens)
-            token = sample(row, seq.request.sampling, len(seq.tokens))
-            outputs.append(self._advance(seq, token, now))
+        for (seq, end), row in zip(work, logits):
+            seq.num_cached = end
+            if end == len(seq.tokens):  # a decode, or a prompt's last chunk: only these logits are sampled
+                outputs.append(self._advance(seq, sample(row, seq.request.sampling, end), now))
         return outputs
 
     def _advance(self, seq: Sequence, token: int, now: int) -> StepOutput:
         req = seq.request
-        if seq.status is Status.WAITING:
-            seq.status = Status.RUNNING
-            self.running[seq.req_id] = seq
+        seq.status = Status.RUNNING
         if req.end_id is not None and token == req.end_id:
-            return self._finish(seq, None, "end_id")
+            # end_id is not appended (as the decoder does not count it in the sequence length).
+            return self._finish(seq, "end_id")
         seq.tokens.append(token)
         seq.num_generated += 1
         seq.first_token_ns = seq.first_token_ns or now
         seq.last_token_ns = now
         if req.request_type == "context_only" and seq.num_generated < req.max_new_tokens:
-            del self.running[seq.req_id]
-            seq.status = Status.HELD
-            self.held[seq.req_id] = seq
-            return StepOutput(seq.req_id, token, True, "context_done")
+            return self._hold(seq)
         if seq.num_generated >= req.max_new_tokens:
-            return self._finish(seq, token, "length")
-        return StepOutput(seq.req_id, token, False)
+            return self._finish(seq, "length")
+        return self._result(seq, False)
 
-    def _finish(self, seq: Sequence, token: int | None, reason: str) -> StepOutput:
+    def _hold(self, seq: Sequence) -> StepOutput:
+        """A context-only sequence is done: its prompt's KV is kept for the handoff."""
+        del self.running[seq.req_id]
+        seq.status = Status.HELD
+        self.held[seq.req_id] = seq
+        return self._result(seq, True, "context_done")
+
+    def _finish(self, seq: Sequence, reason: str) -> StepOutput:
         self.running.pop(seq.req_id, None)
         self.blocks.free(seq.block_table)
-        return StepOutput(seq.req_id, token, True, reason)
+        return self._result(seq, True, reason)
+
+    @staticmethod
+    def _result(seq: Sequence, finished: bool, reason: str | None = None) -> StepOutput:
+        """The tokens not returned before, and from now on returned."""
+        tokens = tuple(seq.tokens[seq.num_sent :])
+        seq.num_sent = len(seq.tokens)
+        return StepOutput(seq.req_id, tokens, finished, reason)
 
     # -- convenience -----------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:
@@ -333,8 +393,7 @@ class LLMEngine:
             if not outputs and not self.running:
                 raise RuntimeError(f"stalled: {len(pending)} requests wait for KV blocks held by {len(self.held)} handoffs")
             for o in outputs:
-                if o.token is not None:
-                    out[o.req_id].append(o.token)
+                out[o.req_id] += o.tokens
                 if o.finished:
                     pending.discard(o.req_id)
         return out

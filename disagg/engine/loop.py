@@ -105,7 +105,7 @@ class EngineLoop:
             failed = list(self._callbacks)
             for req_id in failed:
                 self.engine.abort(req_id)
-            return [StepOutput(r, None, True, "error", f"engine step failed: {exc!r}") for r in failed]
+            return [StepOutput(r, (), True, "error", f"engine step failed: {exc!r}") for r in failed]
 
     def _run(self) -> None:
         while True:

@@ -2,11 +2,14 @@
 
 One instance = one `LLMEngine` on its own loop thread. `execute` only parses and queues: every
 request is answered through its response sender as the engine produces tokens, so many requests
-are in flight per instance (in-flight batching). The request parameter `request_type` picks the
-phase; a request with `stop=true` and the id of a request in flight cancels it and frees its KV,
-as with the tensorrtllm backend. A prefill instance keeps its KV pool in shared memory and runs a
-transfer agent; a decode instance claims the handed-off KV through a `KVPuller` and copies it
-straight into the blocks it reserved.
+are in flight per instance (in-flight batching). Responses are the tensorrtllm backend's: streaming,
+one per engine step that returned tokens, carrying those tokens (a generation-only request's first
+response carries the context phase's token and the next one), the last one final; otherwise one final
+response with them all. A context-only request gets one final response with its first token and
+`context_phase_params`, or an error when that token already ended it. The request parameter `request_type` picks the phase; a request with
+`stop=true` and the id of a request in flight on this instance cancels it and frees its KV. A prefill
+instance keeps its KV pool in shared memory and runs a transfer agent; a decode instance claims the
+handed-off KV through a `KVPuller` and copies it straight into the blocks it reserved.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError,
 from disagg.engine.loop import EngineLoop
 from disagg.triton import load_board
 from disagg.triton.cancel_board import Throttle
+from disagg.triton.contract import CONTEXT_PARAMS_MISSING
 from disagg.triton.metrics import EngineMetrics
 from disagg.triton.paths import model_param, repository_root, resolve_path
 from disagg.triton.tensors import EngineCall, parse_engine_call
@@ -41,7 +45,7 @@ def _tensor(name: str, array: np.ndarray):
     return pb_utils.Tensor(name, array)
 
 
-def _ids(tokens: list[int]):
+def _ids(tokens):
     return [
         _tensor("output_ids", np.asarray(tokens, dtype=np.int32).reshape(1, 1, -1)),
         _tensor("sequence_length", np.asarray([[len(tokens)]], dtype=np.int32)),
@@ -75,31 +79,28 @@ class Stream:
                 self._cancelled = self.sender.is_cancelled()
             return self._cancelled
 
-    def token(self, token: int) -> None:
+    def respond(self, tokens: tuple[int, ...], final: bool, extra: list | None = None) -> None:
+        """One engine result, as the tensorrtllm backend turns an executor response into a Triton one
+        (model_instance_state.cc fillTritonResponse): streaming, output_ids holds the tokens new since the
+        last response (none for a final one after end_id) and nothing is sent for a step without any;
+        otherwise only the final response is sent, with every token."""
         with self._lock:
             if self.closed:
                 return
-            self.first_token_ns = self.first_token_ns or time.time_ns()
-            self.tokens.append(token)
-            if self.call.streaming:
-                self.sender.send(pb_utils.InferenceResponse(output_tensors=_ids([token])))
-
-    def finish(self, extra: list | None = None) -> None:
-        with self._lock:
-            if self.closed:
+            if tokens:
+                self.first_token_ns = self.first_token_ns or time.time_ns()
+            self.tokens += tokens
+            if not final:
+                if self.call.streaming and tokens:
+                    self.sender.send(pb_utils.InferenceResponse(output_tensors=_ids(tokens)))
                 return
             self.closed = True
-            outputs = list(extra or [])
-            if not self.call.streaming or extra:
-                outputs += _ids(self.tokens)
+            outputs = _ids(tokens if self.call.streaming else self.tokens) + list(extra or [])
             if self.call.return_perf_metrics:
                 now = time.time_ns()
                 for name, value in (("arrival_time_ns", self.arrival_ns), ("first_token_time_ns", self.first_token_ns), ("last_token_time_ns", now)):
                     outputs.append(_tensor(name, np.asarray([[value]], dtype=np.int64)))
-            if outputs:
-                self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
-            else:
-                self.sender.send(flags=FINAL)
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
 
     def fail(self, message: str) -> None:
         with self._lock:
@@ -150,8 +151,7 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
                 continue
             if call.stop:
-                self._stop(call.request_id)
-                sender.send(flags=FINAL)
+                self._stop(call.request_id, sender)
             elif call.request_type == "generation_only":
                 self.pulls.submit(self._pull_and_submit, call, Stream(sender, call))
             else:
@@ -213,10 +213,10 @@ class TritonPythonModel:
         if blocks is not None:
             if not self.loop.finish_import(request.req_id, copied=not stream.cancelled()):
                 self._forget(request.req_id)
-                stream.finish()
+                stream.respond((), final=True)
         elif stream.cancelled():
             self._forget(request.req_id)
-            stream.finish()
+            stream.respond((), final=True)
         else:
             self._start(request, stream)
 
@@ -227,26 +227,35 @@ class TritonPythonModel:
             self._forget(req_id)
             stream.fail(out.error)
             return
-        if out.token is not None:
-            stream.token(out.token)
-        if not out.finished:
-            return
-        self._forget(req_id)
+        if out.finished:
+            self._forget(req_id)
+        extra = None
         if out.finish_reason == "context_done":
-            params = self.agent.hold(req_id, out.token)
-            blob = np.frombuffer(params.to_bytes(), dtype=np.uint8).reshape(1, -1)
-            stream.finish([_tensor("context_phase_params", blob)])
-        else:
-            stream.finish()
+            params = self.agent.hold(req_id, out.tokens[-1])
+            extra = [_tensor("context_phase_params", np.frombuffer(params.to_bytes(), dtype=np.uint8).reshape(1, -1))]
+        elif out.finished and stream.call.request_type == "context_only":
+            # Finished in its context phase (end_id, or request_output_len 1): no params. The KV is freed.
+            stream.fail(f"Error encountered while populating response: {CONTEXT_PARAMS_MISSING}")
+            return
+        stream.respond(out.tokens, out.finished, extra)
 
-    def _stop(self, req_id: str) -> None:
-        """Cancels `req_id` (a `stop` request): frees its KV, held handoff included, and closes its stream."""
+    def _stop(self, req_id: str, sender) -> None:
+        """A `stop` request, answered as model_instance_state.cc handleStopRequest does: an error when it names
+        no request, else one empty final response, whether or not `req_id` is in flight here (it may be done
+        already, or on another instance; nothing else is touched). A request in flight here is cancelled:
+        its KV is freed, held handoff included, and its stream ends with a final response (the executor
+        finishes a cancelled request like any other, with the tokens not yet returned)."""
+        if not req_id:
+            error = pb_utils.TritonError("Trying to stop a request but request ID is not provided")
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            return
         stream = self._forget(req_id)
         self.loop.abort(req_id)
         if self.agent is not None:
             self.agent.drop(req_id)
         if stream is not None:
-            stream.fail(f"request {req_id!r} was stopped")
+            stream.respond((), final=True)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
 
     def _forget(self, req_id: str) -> Stream | None:
         with self._lock:

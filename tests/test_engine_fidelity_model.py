@@ -1,0 +1,251 @@
+"""The reference engine's Triton model answers as the tensorrtllm backend does: streamed generation-only
+responses (the first carries the context phase's token and the next), context-only results that carry
+context_phase_params or are an error, and `stop` requests. Runs the model in-process with a stand-in for
+`triton_python_backend_utils` (Triton's Python stub), real engines and a real transfer agent."""
+from __future__ import annotations
+
+import importlib
+import json
+import queue
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+from engine_helpers import EngineFactory
+
+from disagg.engine.engine import ContextPhase, Request
+from disagg.engine.loop import EngineLoop
+from disagg.engine.sampling import SamplingParams
+from disagg.transfer.agent import TransferAgent
+from disagg.transfer.params import ContextPhaseParams
+from disagg.triton.tensors import EngineCall
+
+FINAL = 1
+PROMPT = tuple(range(3, 43))
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class Response:
+    def __init__(self, output_tensors=None, error=None):
+        self.outputs = {t.name(): t.as_numpy() for t in output_tensors or []}
+        self.error = error
+
+
+class Error:
+    def __init__(self, message):
+        self._message = message
+
+    def message(self):
+        return self._message
+
+
+PB_UTILS = types.ModuleType("triton_python_backend_utils")
+PB_UTILS.Tensor, PB_UTILS.InferenceResponse, PB_UTILS.TritonError = Tensor, Response, Error
+PB_UTILS.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+PB_UTILS.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
+
+
+class Sender:
+    """Records (response, flags); `gate`, when given, holds the first send until it is set."""
+
+    def __init__(self, gate: threading.Event | None = None):
+        self.sent: queue.Queue = queue.Queue()
+        self.gate = gate
+
+    def send(self, response=None, flags=0):
+        if self.gate is not None:
+            self.gate.wait(10)
+            self.gate = None
+        self.sent.put((response, flags))
+
+    def is_cancelled(self):
+        return False
+
+    def until_final(self) -> list:
+        got = []
+        while not got or got[-1][1] != FINAL:
+            got.append(self.sent.get(timeout=30))
+        return got
+
+
+class FakeRequest:
+    def __init__(self, request_id: str, request_type: str = "context_and_generation", sender=None, **inputs):
+        self.inputs = {name: Tensor(name, np.asarray([value])) for name, value in inputs.items()}
+        self._id, self._type, self.sender = request_id, request_type, sender or Sender()
+
+    def request_id(self):
+        return self._id
+
+    def parameters(self):
+        return json.dumps({"request_type": self._type})
+
+    def get_response_sender(self):
+        return self.sender
+
+
+def generate(request_id, max_new, request_type="context_and_generation", streaming=True, sender=None, **extra):
+    ids = np.asarray(PROMPT, dtype=np.int32)
+    inputs = dict(input_ids=ids, input_lengths=len(ids), request_output_len=max_new, streaming=streaming)
+    return FakeRequest(request_id, request_type, sender, **inputs, **extra)
+
+
+def stop(request_id):
+    return FakeRequest(request_id, stop=True)
+
+
+@pytest.fixture(scope="module")
+def engine_model():
+    """disagg.triton.engine_model imported against the stand-in stub; removed again afterwards."""
+    names = ("disagg.triton.engine_model", "disagg.triton.metrics")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "triton_python_backend_utils", PB_UTILS)
+        for name in names:
+            mp.delitem(sys.modules, name, raising=False)
+        yield importlib.import_module("disagg.triton.engine_model")
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def factory(tmp_path_factory) -> EngineFactory:
+    return EngineFactory(tmp_path_factory.mktemp("fidelity-model"))
+
+
+@pytest.fixture
+def instance(engine_model, factory):
+    """`instance(role)`: one engine model instance (a prefill one has its transfer agent), stopped at the end."""
+    made = []
+
+    def make(role: str = "aggregated"):
+        model = engine_model.TritonPythonModel.__new__(engine_model.TritonPythonModel)
+        model.loop = EngineLoop(factory.engine(role=role))
+        model.agent = TransferAgent(model.loop, "tcp") if role == "prefill" else None
+        model.streams, model._lock = {}, threading.Lock()
+        made.append(model)
+        return model
+
+    yield make
+    for model in made:
+        if model.agent is not None:
+            model.agent.close()
+        model.loop.stop()
+
+
+def wait_for(condition) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def ids(response) -> list[int]:
+    assert response.error is None, response.error.message()
+    return response.outputs["output_ids"].reshape(-1).tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(factory) -> list[int]:
+    return factory.engine().generate([Request("a", PROMPT, 6)])["a"]
+
+
+# -- 1. generation-only responses ----------------------------------------------------------------------
+@pytest.mark.parametrize("streaming", [True, False])
+def test_generation_only_responds_with_the_first_token_again(instance, factory, engine_model, expected, streaming):
+    prefill = factory.engine(role="prefill")
+    first = prefill.generate([Request("c", PROMPT, 6, "context_only")])["c"]
+    ctx = ContextPhase(first[0], prefill.export_kv("c"))
+    decode = instance("decode")
+    call = EngineCall("g", "generation_only", PROMPT, 6, streaming, SamplingParams(), None, False, False, None)
+    sender = Sender()
+    decode._start(Request("g", PROMPT, 6, "generation_only", context=ctx), engine_model.Stream(sender, call))
+    got = sender.until_final()
+    if streaming:  # one response per step: [first, second], then one token each, the last one final
+        assert [ids(r) for r, _ in got] == [expected[:2], *([t] for t in expected[2:])]
+        assert [flags for _, flags in got] == [0, 0, 0, 0, FINAL]
+    else:
+        assert [(ids(r), flags) for r, flags in got] == [(expected, FINAL)]
+
+
+# -- 4. context-only results always carry context_phase_params -------------------------------------------
+def test_context_only_answers_once_with_its_token_and_params(instance, expected):
+    prefill = instance("prefill")
+    request = generate("c1", 6, "context_only")
+    prefill.execute([request])
+    [(response, flags)] = request.sender.until_final()
+    params = ContextPhaseParams.from_bytes(response.outputs["context_phase_params"].tobytes())
+    assert flags == FINAL and ids(response) == expected[:1] and params.first_token == expected[0]
+    assert prefill.agent.num_held == 1 and prefill.loop.stats().blocks_used == 3  # 40 tokens, 16 per block
+
+
+@pytest.mark.parametrize("how", ["max_tokens_1", "first_token_is_end_id"])
+def test_context_only_that_ends_in_its_context_phase_is_an_error_and_keeps_no_kv(instance, expected, how):
+    """The executor completes such a request before the cache transceiver sees it, so it has no params, and
+    the tensorrtllm backend answers a context-only result without them with an error (fillTritonResponse:
+    "contextParams must be present in the response"). Nothing is held afterwards."""
+    prefill = instance("prefill")
+    request = generate("c2", 1, "context_only") if how == "max_tokens_1" else generate("c2", 6, "context_only", end_id=expected[0])
+    prefill.execute([request])
+    [(response, flags)] = request.sender.until_final()
+    assert flags == FINAL and "context_phase_params" not in response.outputs
+    assert response.error.message() == "Error encountered while populating response: contextParams must be present in the response"
+    assert prefill.agent.num_held == 0 and prefill.loop.stats().blocks_used == 0
+
+
+# -- 5. stop --------------------------------------------------------------------------------------------
+def test_a_stop_for_a_request_this_instance_does_not_know_touches_nothing(instance, expected):
+    """Answered as handleStopRequest does: one empty final response, no error; the request of that id on
+    another instance, and everything on this one, runs on."""
+    one, other = instance(), instance()
+    gate = threading.Event()
+    live = generate("live", 6, sender=Sender(gate))  # its first response waits: it is in flight for sure
+    neighbour = generate("neighbour", 6, sender=Sender(gate))
+    one.execute([live])
+    other.execute([neighbour])
+    wait_for(lambda: other.loop.stats().blocks_used == one.loop.stats().blocks_used == 3)  # 40 + 6 tokens
+    for request in (stop("live"), stop("nope")):
+        other.execute([request])
+        [(response, flags)] = request.sender.until_final()
+        assert flags == FINAL and response.error is None and response.outputs == {}
+    assert other.loop.stats().blocks_used == 3
+    gate.set()
+    for request in (live, neighbour):
+        assert [t for r, _ in request.sender.until_final() for t in ids(r)] == expected
+    assert one.loop.stats().blocks_used == other.loop.stats().blocks_used == 0
+
+
+def test_a_stop_without_a_request_id_is_an_error(instance):
+    request = stop("")
+    instance().execute([request])
+    [(response, flags)] = request.sender.until_final()
+    assert flags == FINAL and response.error.message() == "Trying to stop a request but request ID is not provided"
+
+
+def test_a_stop_ends_its_request_with_a_final_response_and_frees_its_kv(instance, expected):
+    model = instance()
+    gate = threading.Event()
+    live = generate("live", 6, sender=Sender(gate))
+    model.execute([live])
+    wait_for(lambda: model.loop.stats().blocks_used == 3)
+    stopping = threading.Thread(target=model.execute, args=([request := stop("live")],))
+    stopping.start()  # the stop frees the KV, then waits for the stream the gated first response holds
+    wait_for(lambda: model.loop.stats().blocks_used == 0)
+    gate.set()
+    stopping.join(10)
+    [(response, flags)] = request.sender.until_final()
+    assert flags == FINAL and response.error is None and response.outputs == {}
+    got = live.sender.until_final()
+    assert [ids(r) for r, _ in got] == [expected[:1], []] and got[-1][1] == FINAL
+    assert model.loop.stats().blocks_used == 0
