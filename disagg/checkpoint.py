@@ -1,8 +1,10 @@
 """Generates a small, deterministic Hugging Face Llama checkpoint so a fresh machine needs no download.
 
-The output is an ordinary HF model directory: `config.json`, `model.safetensors` (seeded weights) and a
-byte-level BPE `tokenizer.json` trained here with the `tokenizers` library. Same preset + seed gives the
-same bytes, so builds that depend on it are reproducible and incremental.
+The output is an ordinary HF model directory: `config.json`, `model.safetensors` (seeded weights), a
+byte-level BPE `tokenizer.json` trained here with the `tokenizers` library and a `tokenizer_config.json`
+that `transformers.AutoTokenizer` loads (as PreTrainedTokenizerFast). The tokenizer has no post-processor:
+it adds no BOS/EOS to a prompt, and the served prompts follow it. Same preset + seed gives the same
+bytes, so builds that depend on it are reproducible and incremental.
 """
 from __future__ import annotations
 
@@ -159,8 +161,22 @@ def _weights(preset: Preset, seed: int, printable: np.ndarray) -> dict[str, np.n
     return w
 
 
+def tokenizer_config() -> dict:
+    """tokenizer_config.json: the special tokens by name, and the class transformers loads, which keeps
+    tokenizer.json's post-processor as it is (none: nothing added); add_bos_token/add_eos_token say the
+    same, for readers and for tools that read them."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+
+
 def generate_checkpoint(out_dir: str | Path, preset_name: str, seed: int = 0) -> Path:
-    """Writes config.json, model.safetensors and tokenizer.json for `preset_name` into `out_dir`."""
+    """Writes config.json, model.safetensors, tokenizer.json and tokenizer_config.json for `preset_name`
+    into `out_dir`."""
     preset = PRESETS[preset_name]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,9 +184,7 @@ def generate_checkpoint(out_dir: str | Path, preset_name: str, seed: int = 0) ->
     if tokenizer.get_vocab_size() > preset.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size={preset.vocab_size}")
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2)
-    )
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2))
     (out / "config.json").write_text(json.dumps(preset.hf_config(), indent=2, sort_keys=True))
     save_file(_weights(preset, seed, _printable(tokenizer, preset.vocab_size)), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -133,13 +133,14 @@ def load_tokenizer(tokenizer_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+def _read_json(tokenizer_dir: str | Path, name: str) -> dict:
+    path = Path(tokenizer_dir) / name
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def special_ids(tokenizer: Tokenizer, tokenizer_dir: str | Path) -> SpecialIds:
     """BOS/EOS/PAD ids from tokenizer_config.json's token names, else config.json's *_token_id."""
-    def read(name: str) -> dict:
-        path = Path(tokenizer_dir) / name
-        return json.loads(path.read_text()) if path.is_file() else {}
-
-    tok_config, model_config = read("tokenizer_config.json"), read("config.json")
+    tok_config, model_config = _read_json(tokenizer_dir, "tokenizer_config.json"), _read_json(tokenizer_dir, "config.json")
 
     def lookup(kind: str) -> int | None:
         token = tok_config.get(f"{kind}_token")
@@ -151,3 +152,57 @@ def special_ids(tokenizer: Tokenizer, tokenizer_dir: str | Path) -> SpecialIds:
         return value[0] if isinstance(value, list) else value
 
     return SpecialIds(bos=lookup("bos"), eos=lookup("eos"), pad=lookup("pad"))
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids as preprocessing hands them to the engines.
+
+    With `add_special_tokens` (the default, as in upstream's preprocessing model) tokenizer.json's own
+    post-processor adds what the checkpoint defines: BOS for most Llama checkpoints, nothing for the
+    generated tiny one. That equals `AutoTokenizer.from_pretrained(dir)(text).input_ids` of transformers
+    >= 5, which takes the post-processor from tokenizer.json whenever there is one (it drops
+    tokenizer_config.json's add_bos_token/add_eos_token then). See `special_tokens_note` for the
+    checkpoints on which transformers 4.x differs.
+    """
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def added_special_tokens(tokenizer: Tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids tokenizer.json's post-processor puts before and after a single sequence: ((bos,), ()) for
+    a Llama tokenizer, ((), ()) for one without a post-processor."""
+    enc = tokenizer.encode("a")
+    own = [i for i, s in enumerate(enc.sequence_ids) if s is not None]  # None: added by the post-processor
+    if not own:
+        return tuple(enc.ids), ()
+    return tuple(enc.ids[: own[0]]), tuple(enc.ids[own[-1] + 1 :])
+
+
+_LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+
+
+def special_tokens_note(tokenizer: Tokenizer, tokenizer_dir: str | Path) -> str | None:
+    """A warning for the one case where transformers versions disagree on this checkpoint's prompts, else None.
+
+    transformers 4.x loads a Llama checkpoint (tokenizer_class LlamaTokenizer[Fast], or none and
+    config.json's model_type "llama") as LlamaTokenizerFast, whose __init__ replaces tokenizer.json's
+    post-processor with one built from tokenizer_config.json's add_bos_token (default true) and
+    add_eos_token (default false). transformers >= 5 and every other tokenizer class keep tokenizer.json's
+    post-processor, as `encode_prompt` does. When the two give different special tokens, say so.
+    """
+    tok_config, model_config = _read_json(tokenizer_dir, "tokenizer_config.json"), _read_json(tokenizer_dir, "config.json")
+    cls = tok_config.get("tokenizer_class")
+    if not (cls in _LLAMA_CLASSES or (cls is None and model_config.get("model_type") == "llama")):
+        return None
+    ids = special_ids(tokenizer, tokenizer_dir)
+    want_bos, want_eos = bool(tok_config.get("add_bos_token", True)), bool(tok_config.get("add_eos_token", False))
+    rebuilt = ((ids.bos,) if want_bos and ids.bos is not None else (), (ids.eos,) if want_eos and ids.eos is not None else ())
+    actual = added_special_tokens(tokenizer)
+    if rebuilt == actual:
+        return None
+    return (
+        f"{tokenizer_dir}: tokenizer.json's post-processor adds {list(actual[0])} before and {list(actual[1])} after a "
+        f"prompt, but tokenizer_config.json (add_bos_token={want_bos}, add_eos_token={want_eos}) asks for "
+        f"{list(rebuilt[0])} and {list(rebuilt[1])}; prompts follow tokenizer.json, as transformers >= 5 does "
+        "(transformers 4.x's LlamaTokenizerFast would follow tokenizer_config.json); "
+        "set the spec's model.add_special_tokens: false to add none"
+    )

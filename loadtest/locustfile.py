@@ -2,14 +2,19 @@
 
     PYTHONPATH=. locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8000 -u 64 -r 64 \\
         --model ensemble --workload mixed --request-rate 8 \\
-        --tokenizer build/checkpoints/tiny-llama/tokenizer.json \\
-        --samples-out results/ensemble-8rps.jsonl --json-file results/ensemble-8rps
+        --tokenizer build/checkpoints/tiny-llama/tokenizer.json --json-file results/ensemble-8rps
+    # samples: results/ensemble-8rps.samples.jsonl (next to --json-file, else --csv; else a new temp dir)
 
 HTTP through geventhttpclient (FastHttpUser), not tritonclient gRPC: gRPC's threads under gevent hung
-Locust at shutdown (notes/triton-on-cpu.md). Per request it keeps raw perf_counter stamps of every
-streamed response and appends one JSON line to `--samples-out` (loadtest/samples.py defines TTFT, ITL,
+Locust at shutdown (docs/triton-on-cpu.md). Per request it keeps raw perf_counter stamps of every
+streamed response and appends one JSON line to the samples file (loadtest/samples.py defines TTFT, ITL,
 TPOT and E2E from them); reports are computed from those lines with exact percentiles, not from
-Locust's bucketed ones.
+Locust's bucketed ones. The samples file is `--samples-out` when given; otherwise `<prefix>.samples.jsonl`
+beside the run's own `--json-file`/`--csv` output, or `samples.jsonl` in a new temporary directory, so a
+run never writes into the working directory unasked. Its path is printed (stderr) when the run starts.
+
+Prompt lengths are counted as the server's preprocessing counts them; pass `--add-special-tokens false`
+for a deployment whose spec sets `model.add_special_tokens: false`.
 
 Locust sees one request per stream (response_time = E2E ms, response_length = output tokens). TTFT and
 TPOT rows (type METRIC) are logged straight into their stats entries, not through `events.request`,
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import replace
 
@@ -32,7 +38,7 @@ from gevent import GreenletExit
 from locust import FastHttpUser, events, task
 from locust.exception import StopUser
 
-from loadtest.samples import DEPLOYMENTS, Sample
+from loadtest.samples import DEPLOYMENTS, Sample, samples_path
 from loadtest.workload import Request, load_workload
 
 DRAIN_S = 30.0  # hard-bound slack after duration_s for in-flight streams, when --run-time is not given
@@ -48,8 +54,12 @@ def _options(parser) -> None:
     parser.add_argument("--workload", default="mixed", help="workload YAML path, or a name in loadtest/workloads/")
     parser.add_argument("--tokenizer", default="build/checkpoints/tiny-llama/tokenizer.json",
                         help="tokenizer.json of the served model (prompt lengths are in its tokens)")
-    parser.add_argument("--samples-out", default="samples.jsonl",
-                        help="JSONL file to append one line per request to (appends: remove it between runs)")
+    parser.add_argument("--samples-out", default=None,
+                        help="JSONL file to append one line per request to (appends: remove it between runs); "
+                             "default: <prefix>.samples.jsonl beside --json-file or --csv, else a new temp dir")
+    parser.add_argument("--add-special-tokens", choices=("true", "false"), default="true",
+                        help="count prompt tokens with the tokenizer's special tokens (BOS), as the served "
+                             "preprocessing does; false for a spec with model.add_special_tokens: false")
     parser.add_argument("--request-rate", type=float, default=None,
                         help="override the workload's arrival rate (requests/s; 0: closed loop)")
     parser.add_argument("--max-requests", type=int, default=None, help="override the workload's max_requests")
@@ -69,9 +79,12 @@ class Plan:
         self.workload = workload
         self.model = opts.model
         self.users = opts.num_users
-        self.requests = workload.requests(opts.tokenizer)
+        self.requests = workload.requests(opts.tokenizer, opts.add_special_tokens == "true")
         self.arrivals = workload.arrivals() if workload.rate else None
-        self.out = open(opts.samples_out, "a", buffering=1)
+        self.samples_path = samples_path(opts.samples_out, opts.json_file or opts.csv_prefix)
+        self.samples_path.parent.mkdir(parents=True, exist_ok=True)
+        self.out = open(self.samples_path, "a", buffering=1)
+        print(f"locustfile: samples -> {self.samples_path}", file=sys.stderr, flush=True)
         self.t0: float | None = None
         self.issued = 0
         self.done = 0

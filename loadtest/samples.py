@@ -14,6 +14,7 @@ process line up with the metrics sampler's.
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
@@ -84,6 +85,17 @@ class Sample:
     @classmethod
     def from_dict(cls, raw: dict) -> Sample:
         return cls(**{**raw, "t_chunks": tuple(raw["t_chunks"]), "chunk_chars": tuple(raw["chunk_chars"])})
+
+
+def samples_path(samples_out: str | None, run_prefix: str | None = None) -> Path:
+    """Where a Locust run writes its samples: `samples_out` when given; else `<run_prefix>.samples.jsonl`
+    beside the run's own output (its --json-file or --csv prefix); else `samples.jsonl` in a new temporary
+    directory. Never the working directory unasked."""
+    if samples_out:
+        return Path(samples_out)
+    if run_prefix:
+        return Path(f"{run_prefix}.samples.jsonl")
+    return Path(tempfile.mkdtemp(prefix="disagg-locust-")) / "samples.jsonl"
 
 
 def read_samples(paths: Iterable[str | Path]) -> list[Sample]:

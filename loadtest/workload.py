@@ -1,9 +1,11 @@
 """Workloads as data: a YAML file in loadtest/workloads/ -> a fixed, seeded list of requests and arrivals.
 
-Prompt lengths are in tokens of the served model's tokenizer (`tokenizer.json`), because the limit a
-prompt must fit (max_input_len) is in tokens and the tiny byte-level BPE spends ~3.4 tokens per English
-word. The same seed gives the same prompts, output lengths and arrival times in every run, so the
-aggregated and disaggregated deployments see identical traffic.
+Prompt lengths are in tokens of the served model's tokenizer (`tokenizer.json`), counted as the
+server's preprocessing counts them (disagg/text.py `encode_prompt`: the special tokens the tokenizer's
+post-processor adds, such as BOS, included unless the deployment sets `model.add_special_tokens: false`),
+because the limit a prompt must fit (max_input_len) is in those tokens and the tiny byte-level BPE spends
+~3.4 tokens per English word. The same seed gives the same prompts, output lengths and arrival times in
+every run, so the aggregated and disaggregated deployments see identical traffic.
 
     name: mixed
     seed: 0
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+
+from disagg.text import encode_prompt
 
 WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
 
@@ -58,7 +62,7 @@ class LengthBin:
 class Request:
     index: int
     prompt: str
-    prompt_tokens: int  # measured with the tokenizer, without the BOS the server adds
+    prompt_tokens: int  # as the server's preprocessing counts them (special tokens included, if it adds them)
     max_tokens: int
     shared_prefix: bool
 
@@ -93,9 +97,10 @@ class Workload:
         gaps = np.random.default_rng([self.seed, 1]).exponential(1.0 / self.rate, self.max_requests)
         return np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()
 
-    def requests(self, tokenizer_path: str | Path) -> list[Request]:
-        """The `max_requests` requests of a run, each built to its drawn token length."""
-        return PromptBuilder(tokenizer_path, self).requests()
+    def requests(self, tokenizer_path: str | Path, add_special_tokens: bool = True) -> list[Request]:
+        """The `max_requests` requests of a run, each built to its drawn token length. `add_special_tokens`:
+        the served deployment's `model.add_special_tokens`."""
+        return PromptBuilder(tokenizer_path, self, add_special_tokens).requests()
 
 
 def _bins(raw: list[dict], key: str) -> tuple[LengthBin, ...]:
@@ -139,17 +144,19 @@ class PromptBuilder:
     """Builds prompts of an exact token budget from WORDS: the longest word prefix that fits.
 
     The byte-level pre-tokenizer splits at spaces, so words tokenize independently and the count of a
-    prefix is monotone in its length: a binary search over the number of words finds the fit."""
+    prefix is monotone in its length: a binary search over the number of words finds the fit. Counts are
+    the server's (`encode_prompt`): a budget includes the special tokens the tokenizer adds."""
 
-    def __init__(self, tokenizer_path: str | Path, workload: Workload):
+    def __init__(self, tokenizer_path: str | Path, workload: Workload, add_special_tokens: bool = True):
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        self.add_special_tokens = add_special_tokens
         self.workload = workload
         self.rng = np.random.default_rng([workload.seed, 0])
 
     def count(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return len(encode_prompt(self.tokenizer, text, self.add_special_tokens))
 
     def text(self, budget: int) -> str:
         words = [WORDS[i] for i in self.rng.integers(len(WORDS), size=budget)]  # every word is >= 1 token

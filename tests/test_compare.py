@@ -43,7 +43,7 @@ def test_workload_that_does_not_fit_the_limits_fails_early(new_project, tmp_path
         spec, _ = compare_spec(Path("configs/cpu-tiny.yaml"), tmp_path)
     check_fits(spec, load_workload("mixed"))
     too_long = replace(load_workload("mixed"), prompt_tokens=(LengthBin(1.0, 200, 240),))
-    with pytest.raises(SystemExit, match=r"prompts up to 265 tokens \(with BOS\) and 64 new tokens do not fit"):
+    with pytest.raises(SystemExit, match=r"prompts up to 264 tokens \(special tokens included\) and 64 new tokens do not fit"):
         check_fits(spec, too_long)
 
 

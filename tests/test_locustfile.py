@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
 
-from loadtest.samples import read_samples
+from disagg.triton.preprocessing import Limits, Preprocessor
+from loadtest.samples import read_samples, samples_path
 from loadtest.workload import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,9 +26,9 @@ def test_workload_requests_are_seeded_and_sized_in_tokens(tiny_checkpoint):
     assert requests == w.requests(tokenizer)  # same seed, same traffic
     assert [r.prompt for r in requests] != [r.prompt for r in replace(w, seed=1).requests(tokenizer)]
     assert len(requests) == w.max_requests
-    tok = Tokenizer.from_file(str(tokenizer))
+    pre = Preprocessor.load(tiny_checkpoint, Limits(max_input_len=256, max_output_len=319, max_seq_len=320))
     for r in requests:
-        assert r.prompt_tokens == len(tok.encode(r.prompt, add_special_tokens=False).ids)
+        assert r.prompt_tokens == len(pre.prepare(r.prompt.encode(), 8).input_ids)  # as the server counts them
         assert r.prompt_tokens <= w.max_prompt_tokens
         assert 32 <= r.max_tokens <= 64
     body = [r.prompt_tokens for r in requests if not r.shared_prefix]
@@ -65,13 +65,23 @@ def server(cpu_tiny_project, start_triton):
     s.stop()
 
 
-def run_locust(server, project: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+def test_samples_path_never_defaults_to_the_working_directory(tmp_path):
+    assert samples_path("given.jsonl", "results/run") == Path("given.jsonl")
+    assert samples_path(None, "results/run") == Path("results/run.samples.jsonl")  # beside --json-file/--csv
+    default = samples_path(None)
+    assert default.name == "samples.jsonl" and default.parent.is_dir() and not default.exists()
+    assert default.parent != Path.cwd() and default.parent != samples_path(None).parent  # a new directory each run
+    default.parent.rmdir()
+
+
+def run_locust(server, project: Path, out: Path | None, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs the locustfile headless; `out`: where samples.jsonl and locust.json go (None: neither option)."""
     cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest/locustfile.py"), "--headless", "--only-summary",
            "--host", f"http://{server.http_url}", "--run-time", "30s", "--loglevel", "WARNING",
            "--model", "ensemble", "--workload", "quick", "--tokenizer", str(project / "build/checkpoints/tiny-llama/tokenizer.json"),
-           "--samples-out", str(out / "samples.jsonl"), "--json-file", str(out / "locust"), *args]
+           *(["--samples-out", str(out / "samples.jsonl"), "--json-file", str(out / "locust")] if out else []), *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
 
@@ -108,3 +118,21 @@ def test_open_loop_run_follows_the_poisson_schedule(server, cpu_tiny_project, tm
     for s in samples:
         assert s.rate == 4.0 and s.error is None
         assert s.t_send - start == pytest.approx(s.scheduled, abs=0.1)  # sent on time, not back to back
+
+
+@pytest.mark.e2e
+def test_samples_default_to_a_printed_temp_file_not_the_working_directory(server, cpu_tiny_project, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = run_locust(server, cpu_tiny_project, None, "-u", "2", "-r", "2", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(cwd.iterdir()) == []  # nothing left in the working directory
+    printed = [line.split("locustfile: samples -> ", 1)[1] for line in proc.stderr.splitlines() if "locustfile: samples -> " in line]
+    assert len(printed) == 1
+    path = Path(printed[0])
+    assert path.name == "samples.jsonl" and path.parent.name.startswith("disagg-locust-")
+    try:
+        assert len(read_samples([path])) == 8
+    finally:
+        path.unlink()
+        path.parent.rmdir()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -16,20 +17,17 @@ LIMITS = Limits(max_input_len=256, max_output_len=319, max_seq_len=320)
 
 @pytest.fixture(scope="module")
 def pre(tiny_checkpoint) -> Preprocessor:
-    return Preprocessor.load(tiny_checkpoint, LIMITS, add_bos=True)
+    return Preprocessor.load(tiny_checkpoint, LIMITS, add_special_tokens=True)
 
 
-def test_prompt_is_tokenized_with_one_bos_and_default_ids(pre):
+def test_prompt_is_tokenized_as_the_tokenizer_says_with_default_ids(pre):
     p = pre.prepare("hello café".encode(), 16)
-    assert p.input_ids.dtype == np.int32 and p.input_ids[0] == 0 and 0 not in p.input_ids[1:].tolist()
+    # the tiny tokenizer has no post-processor: no BOS (id 0) or EOS (id 1) is added
+    assert p.input_ids.dtype == np.int32 and not {0, 1} & set(p.input_ids.tolist())
+    assert p.input_ids.tolist() == pre.tokenizer.encode("hello café").ids
     assert pre.tokenizer.decode(p.input_ids.tolist()) == "hello café"
     assert (p.output_len, p.end_id, p.pad_id) == (16, 1, 1)  # no pad token: pad with EOS
     assert (pre.prepare(b"x", 4, end_id=7, pad_id=8).end_id, pre.prepare(b"x", 4, pad_id=8).pad_id) == (7, 8)
-
-
-def test_no_bos_when_add_bos_is_off(tiny_checkpoint):
-    p = Preprocessor.load(tiny_checkpoint, LIMITS, add_bos=False).prepare(b"hello", 4)
-    assert p.input_ids[0] != 0
 
 
 @pytest.mark.parametrize(
@@ -38,11 +36,11 @@ def test_no_bos_when_add_bos_is_off(tiny_checkpoint):
         (b"", 8, {}, "text_input: empty prompt"),
         (b"abc\xff", 8, {}, "text_input: not valid UTF-8 (byte 0xff at offset 3)"),
         (b"caf\xc3", 8, {}, "text_input: not valid UTF-8 (byte 0xc3 at offset 3)"),
-        (b"x" * 300, 8, {}, "text_input: prompt is 301 tokens, over the limit max_input_len=256"),
+        (b"x" * 300, 8, {}, "text_input: prompt is 300 tokens, over the limit max_input_len=256"),
         (b"hello", 0, {}, "max_tokens: 0 must be >= 1"),
         (b"hello", -3, {}, "max_tokens: -3 must be >= 1"),
         (b"hello", 5000, {}, "max_tokens: 5000 is over the limit 319"),
-        (b"x" * 200, 200, {}, "max_tokens: 200 with a 201-token prompt is over max_seq_len=320 (at most 119 here)"),
+        (b"x" * 200, 200, {}, "max_tokens: 200 with a 200-token prompt is over max_seq_len=320 (at most 120 here)"),
         (b"hello", 8, {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511)"),
         (b"hello", 8, {"pad_id": -1}, "pad_id: -1 is outside the vocabulary (0..511)"),
     ],
@@ -95,3 +93,31 @@ def test_model_param_and_resolve_path_against_the_repository_root(tmp_path):
         model_param(args, "max_output_len")
     with pytest.raises(FileNotFoundError, match=r"model 'preprocessing': parameter missing_dir='../build/nope' points to"):
         resolve_path(args, "missing_dir")
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_refused(tiny_checkpoint, tmp_path):
+    from tokenizers import Tokenizer, normalizers
+
+    ckpt = tmp_path / "strip"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    tok.normalizer = normalizers.Strip()  # "   " normalizes to "": no token, and this tokenizer adds none
+    tok.save(str(ckpt / "tokenizer.json"))
+    pre = Preprocessor.load(ckpt, LIMITS)
+    with pytest.raises(InputError, match="text_input: the prompt tokenizes to no token at all"):
+        pre.prepare(b"   ", 4)
+    assert pre.prepare(b" a ", 4).input_ids.size == 1
+
+
+def test_add_special_tokens_parameter_is_read_and_checked(tiny_checkpoint, tmp_path):
+    from disagg.triton.preprocessing import TritonPythonModel
+
+    limits = {"max_input_len": "256", "max_output_len": "319", "max_seq_len": "320"}
+    for value, expected in (("true", True), ("false", False), ("0", False)):
+        model = TritonPythonModel()
+        model.initialize(_args(tmp_path, tokenizer_dir=str(tiny_checkpoint), add_special_tokens=value, **limits))
+        assert model.pre.add_special_tokens is expected
+    with pytest.raises(ValueError, match="add_special_tokens='sometimes' is not a boolean"):
+        TritonPythonModel().initialize(_args(tmp_path, tokenizer_dir=str(tiny_checkpoint), add_special_tokens="sometimes", **limits))
+    with pytest.raises(ValueError, match="parameter 'add_special_tokens' is missing"):
+        TritonPythonModel().initialize(_args(tmp_path, tokenizer_dir=str(tiny_checkpoint), **limits))

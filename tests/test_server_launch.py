@@ -111,7 +111,7 @@ def test_optional_inputs_reach_the_orchestrator_only_when_sent(server):
     [
         ("", {}, "text_input: empty prompt"),
         (b"abc\xff", {}, "text_input: not valid UTF-8 (byte 0xff at offset 3)"),
-        ("x" * 300, {}, "text_input: prompt is 301 tokens, over the limit max_input_len=256"),
+        ("x" * 300, {}, "text_input: prompt is 300 tokens, over the limit max_input_len=256"),
         ("hello", {"max_tokens": 0}, "max_tokens: 0 must be >= 1"),
         ("hello", {"max_tokens": 5000}, "max_tokens: 5000 is over the limit 319"),
         ("hello", {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511)"),

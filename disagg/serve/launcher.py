@@ -6,7 +6,7 @@
 
 Takes tritonserver's own flags and passes them on unchanged. Without a tritonserver on PATH it runs the
 one bundled in nvidia-pytriton and adds the backend directory, library path and PATH that it needs
-(notes/triton-on-cpu.md). Listens on 127.0.0.1 unless an --http-address/--grpc-address/--metrics-address
+(docs/triton-on-cpu.md). Listens on 127.0.0.1 unless an --http-address/--grpc-address/--metrics-address
 flag says otherwise. Prints where the server listens, then "ready" once every model is loaded.
 SIGINT/SIGTERM go to the server; the exit code is the server's.
 """

@@ -2,7 +2,7 @@
 
 The binary comes from one of two places:
 - a `tritonserver` on PATH (an NGC Triton container): run as it is, with its own backends;
-- otherwise the server bundled in the `nvidia-pytriton` wheel, prepared as notes/triton-on-cpu.md says:
+- otherwise the server bundled in the `nvidia-pytriton` wheel, prepared as docs/triton-on-cpu.md says:
   a backend directory whose `python/` holds `libtriton_python.so`, `triton_python_backend_utils.py` and the
   running Python's stub renamed `triton_python_backend_stub`, and `nvidia_pytriton.libs` on LD_LIBRARY_PATH.
 Either way the current interpreter's bin directory goes first on PATH, because the Python backend stub runs

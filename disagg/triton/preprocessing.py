@@ -1,5 +1,12 @@
 """`preprocessing` model: prompt text -> token ids, and the edge validation of every user-facing input.
 
+Tokenization follows the checkpoint, like upstream's preprocessing model (tensorrtllm_backend,
+`all_models/inflight_batcher_llm/preprocessing/1/model.py`): its parameter `add_special_tokens` (default
+true) goes to `tokenizer.encode(text, add_special_tokens=...)`, so the tokenizer's own post-processor
+decides whether BOS (or anything else) is added. Here the `tokenizers` library applies tokenizer.json's
+post-processor (disagg/text.py `encode_prompt`), which gives the ids of `AutoTokenizer` without
+importing transformers; the spec's `model.add_special_tokens` renders the parameter.
+
 A bad request gets a Triton error naming the public field and the limit (`text_input: empty prompt`,
 `max_tokens: 5000 is over the limit 319`); it never fails the other requests of the batch. Limits come
 from the model's parameters, which render.py fills from the deployment spec's roles.
@@ -13,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from disagg.text import load_tokenizer, special_ids
+from disagg.text import encode_prompt, load_tokenizer, special_ids, special_tokens_note
 from disagg.triton.paths import model_param, resolve_path
 
 
@@ -23,7 +30,7 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    max_input_len: int  # prompt tokens, BOS included
+    max_input_len: int  # prompt tokens, special tokens (BOS) included
     max_output_len: int  # new tokens per request
     max_seq_len: int  # prompt + new tokens
 
@@ -46,6 +53,8 @@ def decode_prompt(raw: bytes) -> str:
 
 
 def check_prompt_len(n_tokens: int, limits: Limits) -> None:
+    if n_tokens == 0:
+        raise InputError("text_input: the prompt tokenizes to no token at all")
     if n_tokens > limits.max_input_len:
         raise InputError(
             f"text_input: prompt is {n_tokens} tokens, over the limit max_input_len={limits.max_input_len}"
@@ -74,27 +83,22 @@ def check_token_id(field: str, value: int, vocab_size: int) -> None:
 class Preprocessor:
     tokenizer: Tokenizer
     limits: Limits
-    bos_id: int | None  # prepended to every prompt; None: nothing prepended
+    add_special_tokens: bool  # run tokenizer.json's post-processor (BOS etc. as the checkpoint defines)
     end_id: int
     pad_id: int
 
     @classmethod
-    def load(cls, tokenizer_dir: Path, limits: Limits, add_bos: bool) -> Preprocessor:
+    def load(cls, tokenizer_dir: Path, limits: Limits, add_special_tokens: bool = True) -> Preprocessor:
         tokenizer = load_tokenizer(tokenizer_dir)
         ids = special_ids(tokenizer, tokenizer_dir)
         if ids.eos is None:
             raise ValueError(f"{tokenizer_dir}: no EOS token in tokenizer_config.json or config.json")
-        if add_bos and ids.bos is None:
-            raise ValueError(f"{tokenizer_dir}: add_bos is set but there is no BOS token")
-        return cls(tokenizer, limits, ids.bos if add_bos else None, ids.eos, ids.eos if ids.pad is None else ids.pad)
+        return cls(tokenizer, limits, add_special_tokens, ids.eos, ids.eos if ids.pad is None else ids.pad)
 
     def prepare(self, query: bytes, max_tokens: int, end_id: int | None = None, pad_id: int | None = None) -> Prepared:
         """Validates one request and tokenizes its prompt; raises InputError on the first bad field."""
         text = decode_prompt(query)
-        # The tokenizer's own post-processor is skipped so BOS is added exactly once, here.
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.bos_id is not None:
-            ids = [self.bos_id, *ids]
+        ids = encode_prompt(self.tokenizer, text, self.add_special_tokens)
         check_prompt_len(len(ids), self.limits)
         check_max_tokens(max_tokens, len(ids), self.limits)
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -107,6 +111,17 @@ class Preprocessor:
             end_id=self.end_id if end_id is None else end_id,
             pad_id=self.pad_id if pad_id is None else pad_id,
         )
+
+
+def parse_bool(key: str, value: str) -> bool:
+    """A boolean model parameter, spelled as upstream's preprocessing accepts it; anything else is an
+    error here (upstream falls back to true with a warning)."""
+    word = value.strip().lower()
+    if word in ("true", "1", "t", "y", "yes"):
+        return True
+    if word in ("false", "0", "f", "n", "no"):
+        return False
+    raise ValueError(f"preprocessing: parameter {key}={value!r} is not a boolean (true/false)")
 
 
 def _one(pb_utils, request, name: str, field: str):
@@ -131,8 +146,14 @@ class TritonPythonModel:
             max_output_len=int(model_param(args, "max_output_len")),
             max_seq_len=int(model_param(args, "max_seq_len")),
         )
-        add_bos = model_param(args, "add_bos").lower() == "true"
-        self.pre = Preprocessor.load(resolve_path(args, "tokenizer_dir"), limits, add_bos)
+        tokenizer_dir = resolve_path(args, "tokenizer_dir")
+        add_special_tokens = parse_bool("add_special_tokens", model_param(args, "add_special_tokens"))
+        self.pre = Preprocessor.load(tokenizer_dir, limits, add_special_tokens)
+        note = special_tokens_note(self.pre.tokenizer, tokenizer_dir) if self.pre.add_special_tokens else None
+        if note:
+            import triton_python_backend_utils as pb_utils
+
+            pb_utils.Logger.log_warn(f"preprocessing: {note}")
 
     def _respond(self, pb_utils, request):
         p = self.pre.prepare(
