@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from disagg.build.manifest import Manifest
-from disagg.spec import ROLES, DeploymentSpec, SpecError, load_spec
+from disagg.spec import ROLES, DeploymentSpec, SpecError, load_spec, with_engine_root
 
 
 def _backend(spec: DeploymentSpec):
@@ -28,6 +28,7 @@ def build(spec: DeploymentSpec, only: list[str] | None = None, force: bool = Fal
     roles = only or list(spec.roles)
     backend = _backend(spec)
     if spec.backend == "tensorrt_llm":
+        spec = backend.pin_release(spec)
         rebuilt = backend.build_roles(spec, roles, force)
     else:
         rebuilt = backend.build_roles(spec, roles, Manifest(spec.build_dir / "manifest.json"), force, log)
@@ -66,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--force", action="store_true", help="rebuild even when the manifest says up to date")
         parser.add_argument("--dry-run", action="store_true", help="print the build commands and exit")
         parser.add_argument("--no-render", action="store_true", help="skip rendering the model repository")
+        parser.add_argument("--engine-root", help="absolute path under which the serving host sees the engines "
+                            "(e.g. a container mount); overrides output.engine_root")
         args = parser.parse_args(argv)
         spec = load_spec(args.config)
+        if args.engine_root is not None:
+            spec = with_engine_root(spec, args.engine_root)
         missing = [r for r in args.only or [] if r not in spec.roles]
         if missing:
             raise SpecError(f"roles.{missing[0]}", f"--only {missing[0]}: the spec has no such role")

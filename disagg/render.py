@@ -30,17 +30,16 @@ TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "python"
 ENGINE_MODELS = {"prefill": "prefill", "decode": "decode", "aggregated": "aggregated_engine"}
 
 
-def decode_models(spec: DeploymentSpec) -> list[str]:
-    """Reference backend: one decode model per decode instance, so the orchestrator can pick one by load
-    (Triton's own scheduler would pick an instance of one model round-robin). The tensorrtllm backend
-    keeps one model whose instances are its `gpu_device_ids` groups."""
-    count = spec.roles["decode"].instances if spec.backend == "reference" else 1
-    return ["decode"] + [f"decode_{i}" for i in range(1, count)]
-
-
 def role_models(spec: DeploymentSpec, role: str) -> list[str]:
-    """The engine models that serve `role` (several for a reference decode pool, see decode_models)."""
-    return decode_models(spec) if role == "decode" else [ENGINE_MODELS[role]]
+    """The engine models that serve `role`. Prefill and decode get one model per instance (`decode`,
+    `decode_1`, ...), on either backend: a `stop` acts only on the instance Triton routes it to (the
+    tensorrtllm backend cancels within its own instance), so the orchestrator must be able to name the
+    instance that holds a request's KV, and it picks the least loaded one itself. The aggregated baseline
+    keeps one model of `instances` instances: its requests are cancelled through their own streams."""
+    model = ENGINE_MODELS[role]
+    if role == "aggregated":
+        return [model]
+    return [model] + [f"{model}_{i}" for i in range(1, spec.roles[role].instances)]
 
 
 class RenderError(ValueError):
@@ -120,7 +119,7 @@ def _front_models(spec: DeploymentSpec) -> list[Model]:
                 "max_input_len": min(r.max_input_len for r in prompt_roles),
                 "max_output_len": min(r.max_output_len for r in output_roles),
                 "max_seq_len": min(r.max_seq_len for r in output_roles),
-                "add_bos": "true",
+                "add_special_tokens": "true" if spec.model.add_special_tokens else "false",
             },
         ),
         _python_model(
@@ -132,19 +131,19 @@ def _front_models(spec: DeploymentSpec) -> list[Model]:
 
 def _engine_models(spec: DeploymentSpec) -> list[Model]:
     if spec.backend == "tensorrt_llm":
-        from disagg.trtllm.render import render_engine_config
+        from disagg.trtllm.render import render_engine_configs
 
-        return [Model(ENGINE_MODELS[role], render_engine_config(spec, role)) for role in spec.roles]
+        return [Model(name, config) for role in spec.roles for name, config in render_engine_configs(spec, role).items()]
     kv = spec.kv_transfer
     models = []
     for role in spec.roles.values():
         names = role_models(spec, role.name)
-        instances = 1 if role.name == "decode" else role.instances
+        instances = role.instances if role.name == "aggregated" else 1
         for name in names:
             models.append(_python_model(
                 name, "engine.pbtxt.j2", "engine_model", role=role, instances=instances,
                 parameters={
-                    "engine_dir": repo_relative(spec, engine_dir(spec, role.name)),
+                    "engine_dir": str(spec.engine_root / role.name) if spec.engine_root else repo_relative(spec, engine_dir(spec, role.name)),
                     "role": role.name,
                     "kv_transfer_backend": kv.backend,
                     "kv_lease_seconds": kv.lease_seconds,
@@ -166,6 +165,16 @@ def engine_urls(spec: DeploymentSpec) -> str:
     return ",".join(remote)
 
 
+def engine_input_names(spec: DeploymentSpec) -> str:
+    """The orchestrator's `engine_input_names`: inputs the spec's TensorRT-LLM release reads under older
+    names ("seed=random_seed" for 0.17/0.18). The reference engine reads the newest names."""
+    if spec.backend != "tensorrt_llm":
+        return ""
+    from disagg.trtllm.versions import release_of
+
+    return ",".join(f"{new}={old}" for new, old in release_of(spec).input_names().items())
+
+
 def _entry_models(spec: DeploymentSpec) -> list[Model]:
     """Orchestrator + ensemble per path; the baseline goes through exactly the same front."""
     o = spec.orchestrator
@@ -175,12 +184,13 @@ def _entry_models(spec: DeploymentSpec) -> list[Model]:
         "decode_timeout_s": o.decode_timeout_s,
         "max_in_flight": o.max_in_flight,
         "engine_urls": engine_urls(spec),
+        "engine_input_names": engine_input_names(spec),
     }
     paths = []
     if spec.disaggregated:
         paths.append(("ensemble", "disagg_orchestrator", {
-            "mode": "disaggregated", "context_model_name": "prefill",
-            "generation_model_name": ",".join(decode_models(spec)),
+            "mode": "disaggregated", "context_model_name": ",".join(role_models(spec, "prefill")),
+            "generation_model_name": ",".join(role_models(spec, "decode")),
         }))
     if "aggregated" in spec.roles:
         paths.append(("aggregated", "aggregated_orchestrator", {

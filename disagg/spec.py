@@ -9,6 +9,7 @@ Every failure is a `SpecError` whose message starts with the dotted key path, e.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ _ROLE_SCHEMA = {
         "kv_cache_blocks": {"type": "integer", "minimum": 1},
         "kv_cache_free_gpu_mem_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "enable_kv_cache_reuse": {"type": "boolean"},
+        "enable_chunked_context": {"type": "boolean"},
         "batch_scheduler_policy": {"enum": ["max_utilization", "guaranteed_no_evict"]},
     },
 }
@@ -63,6 +65,7 @@ SCHEMA = {
     "properties": {
         "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
         "backend": {"enum": list(BACKENDS)},
+        "trtllm_release": {"type": "string", "minLength": 1},
         "model": {
             "type": "object",
             "additionalProperties": False,
@@ -70,6 +73,7 @@ SCHEMA = {
             "properties": {
                 "path": {"type": "string", "minLength": 1},
                 "dtype": {"enum": list(DTYPES)},
+                "add_special_tokens": {"type": "boolean"},
                 "generate": {
                     "type": "object",
                     "additionalProperties": False,
@@ -113,6 +117,7 @@ SCHEMA = {
             "properties": {
                 "build_dir": {"type": "string", "minLength": 1},
                 "model_repository": {"type": "string", "minLength": 1},
+                "engine_root": {"type": "string", "minLength": 1},
             },
         },
     },
@@ -137,11 +142,20 @@ class RoleSpec:
     node: str = "localhost"
     kv_cache_free_gpu_mem_fraction: float = 0.9
     enable_kv_cache_reuse: bool = False
+    enable_chunked_context: bool = False
     batch_scheduler_policy: str = "guaranteed_no_evict"
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def engine_max_input_len(self) -> int:
+        """The longest prompt the engine accepts, any request type (TensorRT-LLM's `trtGptModel.h`):
+        without chunked context a prompt must fit one step, `min(max_seq_len - 1, max_num_tokens)`."""
+        if self.enable_chunked_context:
+            return self.max_seq_len - 1
+        return min(self.max_seq_len - 1, self.max_num_tokens)
 
     @property
     def max_output_len(self) -> int:
@@ -155,6 +169,9 @@ class ModelSpec:
     dtype: str = "float32"
     generate_preset: str | None = None
     generate_seed: int = 0
+    # Preprocessing runs the tokenizer's post-processor (BOS etc. as the checkpoint's tokenizer.json
+    # defines), like upstream's preprocessing parameter of the same name; false: the prompt's tokens only.
+    add_special_tokens: bool = True
 
 
 @dataclass(frozen=True)
@@ -183,6 +200,8 @@ class DeploymentSpec:
     orchestrator: OrchestratorSpec = field(default_factory=OrchestratorSpec)
     build_dir: Path = Path("build")
     model_repository: Path = Path("model_repository")
+    engine_root: Path | None = None  # where the serving host sees build_dir/engines, when not here
+    trtllm_release: str | None = None  # backend tensorrt_llm: the TensorRT-LLM release line served
     source: Path | None = None
 
     @property
@@ -229,6 +248,7 @@ def _role_from_raw(name: str, raw: dict) -> RoleSpec:
         node=raw.get("node", "localhost"),
         kv_cache_free_gpu_mem_fraction=raw.get("kv_cache_free_gpu_mem_fraction", 0.9),
         enable_kv_cache_reuse=raw.get("enable_kv_cache_reuse", False),
+        enable_chunked_context=raw.get("enable_chunked_context", False),
         batch_scheduler_policy=raw.get("batch_scheduler_policy", "guaranteed_no_evict"),
     )
 
@@ -243,10 +263,13 @@ def _check_role(role: RoleSpec, backend: str) -> None:
             f"{at}.max_input_len",
             f"{role.max_input_len} must be below max_seq_len={role.max_seq_len} (room for at least one output token)",
         )
-    if role.name != "decode" and role.max_num_tokens < role.max_input_len:
+    if role.max_input_len > role.engine_max_input_len:
+        # TensorRT-LLM checks generation-only requests against this limit too: decode is not exempt.
         raise SpecError(
             f"{at}.max_num_tokens",
-            f"{role.max_num_tokens} is below max_input_len={role.max_input_len}: a full prompt would not fit one step",
+            f"{role.max_num_tokens} is below max_input_len={role.max_input_len}: without chunked context the engine "
+            "refuses every prompt (generation-only included) longer than min(max_seq_len - 1, max_num_tokens); "
+            f"set {at}.enable_chunked_context: true or raise max_num_tokens",
         )
     per_seq = -(-role.max_seq_len // tpb)
     if role.kv_cache_blocks < per_seq:
@@ -336,11 +359,13 @@ def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
     spec = DeploymentSpec(
         name=raw["name"],
         backend=raw["backend"],
+        trtllm_release=raw.get("trtllm_release"),
         model=ModelSpec(
             path=Path(model["path"]),
             dtype=model.get("dtype", "float32"),
             generate_preset=gen["preset"] if gen else None,
             generate_seed=gen.get("seed", 0) if gen else 0,
+            add_special_tokens=model.get("add_special_tokens", True),
         ),
         roles=roles,
         kv_transfer=KVTransferSpec(**raw.get("kv_transfer", {})),
@@ -349,12 +374,23 @@ def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
         model_repository=Path(out.get("model_repository", "model_repository")),
         source=source,
     )
+    if spec.trtllm_release is not None and spec.backend != "tensorrt_llm":
+        raise SpecError("trtllm_release", f"only for backend tensorrt_llm (this spec's backend is {spec.backend!r})")
+    if "engine_root" in out:
+        spec = with_engine_root(spec, out["engine_root"])
     for role in roles.values():
         _check_role(role, spec.backend)
     _check_cross_role(spec)
     if spec.backend == "reference" and spec.model.dtype != "float32":
         raise SpecError("model.dtype", f"{spec.model.dtype!r}: the reference engine computes in float32 only")
     return spec
+
+
+def with_engine_root(spec: DeploymentSpec, engine_root: str) -> DeploymentSpec:
+    """The spec rendered for a serving host that sees the engines under `engine_root`."""
+    if not Path(engine_root).is_absolute():
+        raise SpecError("output.engine_root", f"{engine_root!r} must be an absolute path (as the serving host sees it)")
+    return dataclasses.replace(spec, engine_root=Path(engine_root))
 
 
 def model_config_for(spec: DeploymentSpec) -> dict:

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from disagg.cli import build
-from disagg.render import ENGINE_MODELS, decode_models
+from disagg.render import ENGINE_MODELS, role_models
 from disagg.serve.server import TritonServer
 from disagg.spec import DeploymentSpec, load_spec
 from loadtest.metrics_sampler import MetricsSampler, MetricsSeries
@@ -78,18 +78,18 @@ def deployment_models(spec: DeploymentSpec, deployment: str) -> tuple[str, list[
     front = ["preprocessing", "postprocessing"]
     if deployment == "aggregated":
         return "aggregated", [*front, ENGINE_MODELS["aggregated"], "aggregated_orchestrator", "aggregated"]
-    return "ensemble", [*front, ENGINE_MODELS["prefill"], *decode_models(spec), "disagg_orchestrator", "ensemble"]
+    return "ensemble", [*front, *role_models(spec, "prefill"), *role_models(spec, "decode"), "disagg_orchestrator", "ensemble"]
 
 
 def check_fits(spec: DeploymentSpec, workload: Workload) -> None:
     """Fails early when the workload's longest request would be rejected by the server's limits."""
-    longest = workload.max_prompt_tokens + 1  # + BOS
+    longest = workload.max_prompt_tokens  # counted as preprocessing counts, special tokens included
     limit = min(r.max_input_len for name, r in spec.roles.items() if name != "decode")
     out = max(b.max for b in workload.output_tokens)
     seq = min(r.max_seq_len for name, r in spec.roles.items() if name != "prefill")
     if longest > limit or longest + out > seq:
-        raise SystemExit(f"error: workload {workload.name}: prompts up to {longest} tokens (with BOS) and {out} new "
-                         f"tokens do not fit max_input_len={limit} / max_seq_len={seq}")
+        raise SystemExit(f"error: workload {workload.name}: prompts up to {longest} tokens (special tokens included) "
+                         f"and {out} new tokens do not fit max_input_len={limit} / max_seq_len={seq}")
 
 
 def warm_up(server: TritonServer, model: str) -> None:
@@ -110,7 +110,7 @@ def warm_up(server: TritonServer, model: str) -> None:
 
 
 def run_locust(server: TritonServer, model: str, workload_path: str, workload: Workload, rate: float | None,
-               tokenizer: Path, out: Path, name: str) -> Path:
+               tokenizer: Path, out: Path, name: str, add_special_tokens: bool = True) -> Path:
     """One headless Locust run; returns its samples file. Locust's exit code 1 (some requests failed)
     is fine: the failures are in the samples; anything else is an error."""
     samples = out / "samples" / f"{name}.jsonl"
@@ -126,6 +126,7 @@ def run_locust(server: TritonServer, model: str, workload_path: str, workload: W
         "--csv", str(prefix), "--json-file", str(prefix), "--html", f"{prefix}.html",
         "--model", model, "--workload", workload_path, "--tokenizer", str(tokenizer),
         "--samples-out", str(samples), "--request-rate", str(rate or 0),
+        "--add-special-tokens", "true" if add_special_tokens else "false",
     ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     try:
@@ -152,7 +153,8 @@ def run_point(deployment: str, rate: float | None, spec: DeploymentSpec, workloa
         warm_up(server, model)
         sampler = MetricsSampler(server.metrics_url).start()
         t0 = time.monotonic()
-        samples_path = run_locust(server, model, workload_path, workload, rate, spec.model.path / "tokenizer.json", out, name)
+        samples_path = run_locust(server, model, workload_path, workload, rate, spec.model.path / "tokenizer.json", out, name,
+                                  spec.model.add_special_tokens)
         series = sampler.stop()
         if server.process.poll() is not None:
             raise SystemExit(f"error: tritonserver exited with code {server.process.returncode} during {name}; "

@@ -8,9 +8,11 @@ from trtllm_helpers import example_spec, model_dir
 from tritonclient.grpc import model_config_pb2
 
 from disagg.render import plan_models
-from disagg.spec import load_spec
-from disagg.triton.contract import FORWARDED_INPUTS, OUTPUTS_READ, SET_INPUTS
-from disagg.trtllm.render import render_engine_config
+from disagg.spec import SpecError, load_spec
+from disagg.triton.contract import FORWARDED_INPUTS, OUTPUTS_READ, SET_INPUTS, parse_input_names, rename_inputs
+from disagg.trtllm import versions
+from disagg.trtllm.build import dry_run_lines
+from disagg.trtllm.render import render_engine_configs
 
 
 def _signature(tensor) -> tuple:
@@ -34,7 +36,7 @@ def reference() -> dict[str, model_config_pb2.ModelConfig]:
 @pytest.fixture(scope="module")
 def tensorrtllm(tmp_path_factory) -> dict[str, model_config_pb2.ModelConfig]:
     spec = example_spec("h200x8-intra-node", model_dir(tmp_path_factory.mktemp("llama")))
-    return {role: text_format.Parse(render_engine_config(spec, role), model_config_pb2.ModelConfig()) for role in ("prefill", "decode")}
+    return {role: text_format.Parse(render_engine_configs(spec, role)[role], model_config_pb2.ModelConfig()) for role in ("prefill", "decode")}
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -62,3 +64,66 @@ def test_contract_types_are_the_tensorrtllm_backends(tensorrtllm):
     assert _signature(inputs["context_phase_params"]) == ("TYPE_UINT8", (-1,), None)
     assert _signature(inputs["stop"]) == ("TYPE_BOOL", (1,), ())
     assert _signature(outputs["output_ids"]) == ("TYPE_INT32", (-1, -1), None)
+
+
+# -- per TensorRT-LLM release --------------------------------------------------------------------------
+def _on(release: str):
+    def edit(raw):
+        raw["trtllm_release"] = release
+        raw["kv_transfer"]["backend"] = "mpi"  # every release has it, in one MPI world
+
+    return edit
+
+
+@pytest.mark.parametrize("release", [r.name for r in versions.RELEASES])
+def test_each_release_gets_the_input_names_it_reads_and_the_orchestrator_sends_them(tmp_path, release):
+    spec = example_spec("h200x8-intra-node", model_dir(tmp_path), _on(release))
+    models = {m.name: text_format.Parse(m.config, model_config_pb2.ModelConfig()) for m in plan_models(spec)}
+    declared = {t.name for t in models["decode"].input}
+    old = release in ("0.17", "0.18")
+    assert ("random_seed" in declared, "seed" in declared) == (old, not old)
+    assert ("min_length" in declared, "min_tokens" in declared) == (old, not old)
+    assert ("return_kv_cache_reuse_stats" in declared, "return_perf_metrics" in declared) == (old, not old)
+    names = parse_input_names(models["disagg_orchestrator"].parameters["engine_input_names"].string_value)
+    sent = rename_inputs(dict.fromkeys((*FORWARDED_INPUTS, *SET_INPUTS)), names)
+    assert set(sent) <= declared, f"{release}: the orchestrator would send {set(sent) - declared}, which the engine does not read"
+    assert ("random_seed" in sent) == old
+
+
+def test_rename_inputs_is_what_the_orchestrator_applies():
+    arrays = {"seed": 1, "input_ids": 2}
+    assert rename_inputs(arrays, parse_input_names("seed=random_seed,min_tokens=min_length")) == {"random_seed": 1, "input_ids": 2}
+    assert rename_inputs(arrays, parse_input_names("")) == arrays
+    with pytest.raises(ValueError, match="engine_input_names: 'seed' is not name=engine_name"):
+        parse_input_names("seed")
+
+
+@pytest.mark.parametrize(
+    ("spec_name", "edit", "message"),
+    [
+        ("h200x8-intra-node", lambda raw: raw.update(trtllm_release="0.17") or raw["kv_transfer"].update(backend="ucx"),
+         r"^kv_transfer\.backend: 'ucx' does not work with TensorRT-LLM 0\.17 \(trtllm_release\): its cache transceiver has mpi only \(UCX came in 0\.19\); use mpi, or a release that has ucx: 0\.19, 0\.20$"),
+        ("h200x8-intra-node", lambda raw: raw["kv_transfer"].update(backend="ucx"),
+         r"^kv_transfer\.backend: 'ucx' does not work with TensorRT-LLM 1\.0 \(trtllm_release\): its Triton backend sets the MPI cache transceiver itself and ignores TRTLLM_USE_\*_KVCACHE \(TensorRT-LLM PR #5234\); use mpi, or a release that has ucx: 0\.19, 0\.20$"),
+        ("two-pools", lambda raw: raw.update(trtllm_release="1.0") or raw["kv_transfer"].update(backend="mpi"),
+         r"^kv_transfer\.backend: 'mpi' needs prefill and decode in one MPI world, but roles run on nodes prefill-pool, decode-pool \(one world per pool\): TensorRT-LLM 1\.0 has no other transport in Triton; set trtllm_release to 0\.19 or 0\.20 and use ucx between the pools, or put both roles on one node$"),
+        ("two-pools", lambda raw: raw.update(trtllm_release="0.20") or raw["kv_transfer"].update(backend="mpi"),
+         r"^kv_transfer\.backend: 'mpi' needs prefill and decode in one MPI world, .*: use ucx$"),
+        ("h200x8-intra-node", lambda raw: raw.update(trtllm_release="0.16"),
+         r"^trtllm_release: '0\.16' is not a supported TensorRT-LLM release line \(supported: 0\.17, 0\.18, 0\.19, 0\.20, 0\.21, 1\.0\)$"),
+    ],
+)  # fmt: skip
+def test_what_a_release_cannot_serve_is_refused_before_any_work(tmp_path, spec_name, edit, message):
+    spec = example_spec(spec_name, model_dir(tmp_path), edit)
+    with pytest.raises(SpecError, match=message):
+        dry_run_lines(spec, list(spec.roles))
+    with pytest.raises(SpecError, match=message):
+        plan_models(spec)
+
+
+def test_decode_without_chunked_context_must_fit_its_prompts_in_one_step(tmp_path):
+    """TensorRT-LLM checks generation-only prompts against min(max_seq_len - 1, max_num_tokens) too."""
+    with pytest.raises(SpecError, match=r"^roles\.decode\.max_num_tokens: 256 is below max_input_len=8192: without chunked context .* set roles\.decode\.enable_chunked_context: true or raise max_num_tokens$"):
+        example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["roles"]["decode"].pop("enable_chunked_context"))
+    config = {n: text_format.Parse(c, model_config_pb2.ModelConfig()) for n, c in render_engine_configs(example_spec("h200x8-intra-node", model_dir(tmp_path)), "decode").items()}
+    assert config["decode"].parameters["enable_chunked_context"].string_value == "true"

@@ -157,6 +157,24 @@ def test_no_token_is_duplicated(server):
     assert dis.text == stream(server.grpc_url, "aggregated", prompt, 16, streaming=False).text
 
 
+def test_requests_that_end_in_the_context_phase_match_aggregated_and_keep_no_kv(server, cpu_tiny_project):
+    """One output token, or a first token that is end_id: a context-only request then has no
+    context_phase_params (the backend answers with an error), so the orchestrator asks prefill for the
+    whole request. The client sees what aggregated gives, and no KV stays held."""
+    ids = load_tokenizer(cpu_tiny_project / "build" / "checkpoints" / "tiny-llama").encode(PROMPTS[0]).ids
+    direct = call_engine(server, "prefill", engine_inputs(ids, b"")[:2] + [_engine_tensor("request_output_len", [[1]], "INT32", np.int32)], "context_only")
+    assert direct[-1][1].message() == "Error encountered while populating response: contextParams must be present in the response"
+    first = call_engine(server, "aggregated_engine", engine_inputs(ids, b"")[:3], "context_and_generation")[0][0].as_numpy("output_ids").reshape(-1)[0]
+    for max_tokens, end_id in ((1, None), (8, int(first))):
+        expected = stream(server.grpc_url, "aggregated", PROMPTS[0], max_tokens, end_id=end_id)
+        got = stream(server.grpc_url, "ensemble", PROMPTS[0], max_tokens, end_id=end_id)
+        assert got.chunks == expected.chunks and got.text == expected.text
+        assert bool(got.text) == (end_id is None)
+    assert wait_kv_zero(server) == {role: 0 for role in wait_kv_zero(server)}
+    handoffs = by_role(scrape(server.metrics_url))["disagg_kv_handoff_held"]
+    assert not any(handoffs.values())
+
+
 def test_a_character_left_unfinished_is_flushed_by_the_final_response(server, cpu_tiny_project):
     """The orchestrator's final response carries no new tokens and is_final: postprocessing then lets the
     held-back bytes out as U+FFFD, so the streamed text equals tokenizer.decode (and the whole answer)."""

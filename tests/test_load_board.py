@@ -7,7 +7,7 @@ import time
 import pytest
 import yaml
 
-from disagg.render import decode_models, plan_models
+from disagg.render import plan_models, role_models
 from disagg.spec import parse_spec
 from disagg.triton import load_board
 
@@ -42,7 +42,7 @@ def test_each_decode_instance_is_its_own_model():
     raw = yaml.safe_load(open("configs/cpu-tiny.yaml"))
     raw["roles"]["decode"]["instances"] = 3
     spec = parse_spec(raw)
-    assert decode_models(spec) == ["decode", "decode_1", "decode_2"]
+    assert role_models(spec, "decode") == ["decode", "decode_1", "decode_2"]
     models = {m.name: m.config for m in plan_models(spec)}
     assert {"decode", "decode_1", "decode_2"} <= set(models)
     assert 'string_value: "decode,decode_1,decode_2"' in models["disagg_orchestrator"]

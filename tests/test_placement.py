@@ -208,6 +208,7 @@ def test_weights_from_config_json_alone(h200):
 def test_reference_backend_plan(tmp_path):
     def reference(raw):
         raw.update(backend="reference")
+        del raw["trtllm_release"]
         raw["model"]["dtype"] = "float32"
         for role in raw["roles"].values():
             role.pop("devices")

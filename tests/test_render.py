@@ -91,7 +91,7 @@ def test_engine_models_follow_the_tensorrtllm_contract(repo, spec):
 
 def test_orchestrators_and_front_parameters(repo):
     disagg, agg = params(config(repo, "disagg_orchestrator")), params(config(repo, "aggregated_orchestrator"))
-    common = {"prefill_timeout_s": "30", "decode_timeout_s": "120", "max_in_flight": "64", "engine_urls": ""}
+    common = {"prefill_timeout_s": "30", "decode_timeout_s": "120", "max_in_flight": "64", "engine_urls": "", "engine_input_names": ""}
     assert disagg == {"mode": "disaggregated", "context_model_name": "prefill", "generation_model_name": "decode", **common}
     assert agg == {"mode": "aggregated", "aggregated_model_name": "aggregated_engine", **common}
     cfg = config(repo, "disagg_orchestrator")
@@ -104,7 +104,7 @@ def test_orchestrators_and_front_parameters(repo):
     assert not any(t.HasField("reshape") for t in cfg.input)
     assert params(config(repo, "preprocessing")) == {
         "tokenizer_dir": "../build/checkpoints/tiny-llama", "max_input_len": "256", "max_output_len": "319",
-        "max_seq_len": "320", "add_bos": "true",
+        "max_seq_len": "320", "add_special_tokens": "true",
     }
     assert params(config(repo, "postprocessing")) == {
         "tokenizer_dir": "../build/checkpoints/tiny-llama", "skip_special_tokens": "true",

@@ -52,7 +52,7 @@ def test_dry_run_h200x8_intra_node(tmp_path):
         _convert(model, "prefill", tp=4),
         _build("prefill", 8, 8192, 8193, 8192, workers=4, reuse=True),
         _convert(model, "decode", tp=2),
-        _build("decode", 256, 8192, 10240, 256, workers=2, reuse=False),
+        _build("decode", 256, 8192, 10240, 256, workers=2, reuse=True),  # chunked context needs paged FMHA too
     ]
 
 
@@ -62,7 +62,7 @@ def test_dry_run_two_pools(tmp_path):
     lines = build.dry_run_lines(spec, ["decode", "prefill"])
     assert [shlex.split(line) for line in lines] == [
         _convert(model, "decode", tp=4),
-        _build("decode", 512, 8192, 10240, 512, workers=4, reuse=False),
+        _build("decode", 512, 8192, 10240, 512, workers=4, reuse=True),
         _convert(model, "prefill", tp=2),
         _build("prefill", 8, 8192, 8193, 8192, workers=2, reuse=True),
     ]
@@ -82,7 +82,11 @@ def test_examples_dir_and_layout_follow_the_release(tmp_path, monkeypatch):
     spec = example_spec("h200x8-intra-node", model_dir(tmp_path))
     monkeypatch.setenv("TRTLLM_EXAMPLES_DIR", "/opt/TensorRT-LLM/examples")
     assert role_commands(spec, "prefill")[0].argv[1] == "/opt/TensorRT-LLM/examples/models/core/llama/convert_checkpoint.py"
-    old = role_commands(spec, "prefill", version="0.18.2")[0]
+    def on_0_18(raw):
+        raw.update(trtllm_release="0.18")
+        raw["kv_transfer"]["backend"] = "mpi"
+
+    old = role_commands(example_spec("h200x8-intra-node", model_dir(tmp_path), on_0_18), "prefill")[0]
     assert old.argv[1] == "/opt/TensorRT-LLM/examples/llama/convert_checkpoint.py"
 
 
@@ -99,6 +103,7 @@ def test_unknown_role_and_reference_backend_are_rejected(tmp_path):
 
     def reference(raw):
         raw.update(backend="reference")
+        del raw["trtllm_release"]
         raw["model"]["dtype"] = "float32"
         raw["roles"]["prefill"]["enable_kv_cache_reuse"] = False  # the reference engine has no prefix cache
 
@@ -139,13 +144,22 @@ def test_detect_version_in_range(monkeypatch, version):
 @pytest.mark.parametrize("version", ["0.16.0", "1.1.0", "1.2.1", "2.0.0", "nightly"])
 def test_detect_version_out_of_range(monkeypatch, version):
     _installed(monkeypatch, version)
-    with pytest.raises(RuntimeError, match=rf"^TensorRT-LLM {version} is outside the supported range 0\.17\.0 \.\. 1\.0\.x"):
+    with pytest.raises(RuntimeError, match=rf"^TensorRT-LLM {version} is outside the supported range 0\.17 \.\. 1\.0: "):
         versions.detect_version()
 
 
-def test_every_listed_image_is_in_range():
-    assert all(versions.is_supported(c.trtllm) for c in versions.CONTAINERS)
-    assert versions.TARGET.image == "nvcr.io/nvidia/tritonserver:25.10-trtllm-python-py3"
+def test_every_listed_image_is_in_range_and_the_target_is_the_newest():
+    assert all(versions.find(f"{r.name}.0") is r for r in versions.RELEASES)
+    assert versions.TARGET.image == "nvcr.io/nvidia/tritonserver:25.11-trtllm-python-py3"
+
+
+def test_an_installed_release_other_than_the_specs_is_refused(tmp_path, monkeypatch):
+    _installed(monkeypatch, "0.20.0")
+    with pytest.raises(SpecError, match=r"^trtllm_release: '1\.0', but the installed TensorRT-LLM is 0\.20\.0"):
+        build.pin_release(example_spec("h200x8-intra-node", model_dir(tmp_path)))
+    unnamed = example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw.pop("trtllm_release"))
+    assert build.pin_release(unnamed).trtllm_release == "0.20"  # a spec that names none gets the installed one
+    assert build.pin_release(example_spec("two-pools", model_dir(tmp_path))).trtllm_release == "0.20"
 
 
 # --- build_roles with fake tools -----------------------------------------------------------------

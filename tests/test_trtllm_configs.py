@@ -14,7 +14,7 @@ from disagg.render import engine_urls, plan_models
 from disagg.spec import SpecError
 from disagg.triton.contract import parse_engine_urls
 from disagg.trtllm.build import dry_run_lines
-from disagg.trtllm.render import render_engine_config, render_launch_script
+from disagg.trtllm.render import render_engine_configs, render_launch_script
 from trtllm_helpers import example_spec, model_dir
 
 ORCHESTRATOR_INPUTS = {
@@ -41,14 +41,18 @@ def h200(tmp_path):
     return example_spec("h200x8-intra-node", model_dir(tmp_path))
 
 
+def _configs(spec, role: str) -> dict[str, model_config_pb2.ModelConfig]:
+    return {name: _parse(text) for name, text in render_engine_configs(spec, role).items()}
+
+
 def test_h200_prefill_and_decode_configs(h200):
-    prefill, decode = (_parse(render_engine_config(h200, role)) for role in ("prefill", "decode"))
-    for config, role in ((prefill, "prefill"), (decode, "decode")):
-        assert config.name == role
+    prefill, decode = _configs(h200, "prefill"), _configs(h200, "decode")
+    assert list(prefill) == ["prefill"] and list(decode) == ["decode", "decode_1"]  # a model per instance
+    for name, config in {**prefill, **decode}.items():
+        role = name.split("_")[0]
+        assert config.name == name
         assert config.backend == "tensorrtllm"
-        assert [(g.count, g.kind) for g in config.instance_group] == [
-            (h200.roles[role].instances, model_config_pb2.ModelInstanceGroup.KIND_CPU)
-        ]
+        assert [(g.count, g.kind) for g in config.instance_group] == [(1, model_config_pb2.ModelInstanceGroup.KIND_CPU)]
         params = _params(config)
         assert params["gpt_model_path"] == str((h200.build_dir / "engines" / role).absolute())
         assert params["gpt_model_type"] == "inflight_fused_batching"
@@ -56,20 +60,20 @@ def test_h200_prefill_and_decode_configs(h200):
         assert params["exclude_input_in_output"] == "true"
         assert params["cancellation_check_period_ms"] == "20"
         assert params["batch_scheduler_policy"] == "guaranteed_no_evict"
-    assert (prefill.max_batch_size, decode.max_batch_size) == (8, 256)
-    assert prefill.model_transaction_policy.decoupled is True
-    assert decode.model_transaction_policy.decoupled is True
-    assert list(prefill.dynamic_batching.preferred_batch_size) == [8]
+    assert (prefill["prefill"].max_batch_size, decode["decode_1"].max_batch_size) == (8, 256)
+    assert all(c.model_transaction_policy.decoupled is True for c in (*prefill.values(), *decode.values()))
+    assert list(prefill["prefill"].dynamic_batching.preferred_batch_size) == [8]
 
-    p, d = _params(prefill), _params(decode)
+    p, d0, d1 = _params(prefill["prefill"]), _params(decode["decode"]), _params(decode["decode_1"])
     assert (p["gpu_device_ids"], p["participant_ids"]) == ("0,1,2,3", "1,2,3,4")
-    assert (d["gpu_device_ids"], d["participant_ids"]) == ("4,5;6,7", "5,6;7,8")
-    assert (p["enable_kv_cache_reuse"], d["enable_kv_cache_reuse"]) == ("true", "false")
-    assert (p["kv_cache_free_gpu_mem_fraction"], d["kv_cache_free_gpu_mem_fraction"]) == ("0.85", "0.9")
+    assert (d0["gpu_device_ids"], d0["participant_ids"]) == ("4,5", "5,6")
+    assert (d1["gpu_device_ids"], d1["participant_ids"]) == ("6,7", "7,8")
+    assert (p["enable_kv_cache_reuse"], d0["enable_kv_cache_reuse"]) == ("true", "false")
+    assert (p["kv_cache_free_gpu_mem_fraction"], d0["kv_cache_free_gpu_mem_fraction"]) == ("0.85", "0.9")
 
 
 def test_engine_io_follows_the_tensorrtllm_contract(h200):
-    config = _parse(render_engine_config(h200, "decode"))
+    config = _configs(h200, "decode")["decode"]
     inputs = {t.name: t for t in config.input}
     outputs = {t.name: t for t in config.output}
     assert ORCHESTRATOR_INPUTS <= inputs.keys() and ORCHESTRATOR_OUTPUTS <= outputs.keys()
@@ -96,7 +100,7 @@ def test_aggregated_engine_shares_the_world_under_the_repository_name(tmp_path):
         raw["roles"]["aggregated"] = {**raw["roles"]["decode"], "devices": [[6, 7]], "max_num_tokens": 8192}
 
     spec = example_spec("h200x8-intra-node", model_dir(tmp_path), with_baseline)
-    config = _parse(render_engine_config(spec, "aggregated"))
+    config = _configs(spec, "aggregated")["aggregated_engine"]
     assert config.name == "aggregated_engine" and config.model_transaction_policy.decoupled
     assert (_params(config)["gpu_device_ids"], _params(config)["participant_ids"]) == ("6,7", "7,8")
     segments = _mpirun_segments(render_launch_script(spec)["launch.sh"])
@@ -105,9 +109,12 @@ def test_aggregated_engine_shares_the_world_under_the_repository_name(tmp_path):
 
 def test_two_pools_ids_restart_in_each_pool(tmp_path):
     spec = example_spec("two-pools", model_dir(tmp_path))
-    prefill, decode = (_params(_parse(render_engine_config(spec, r))) for r in ("prefill", "decode"))
-    assert (prefill["gpu_device_ids"], prefill["participant_ids"]) == ("0,1;2,3;4,5;6,7", "1,2;3,4;5,6;7,8")
-    assert (decode["gpu_device_ids"], decode["participant_ids"]) == ("0,1,2,3;4,5,6,7", "1,2,3,4;5,6,7,8")
+    ids = {name: (_params(c)["gpu_device_ids"], _params(c)["participant_ids"])
+           for role in ("prefill", "decode") for name, c in _configs(spec, role).items()}
+    assert ids == {
+        "prefill": ("0,1", "1,2"), "prefill_1": ("2,3", "3,4"), "prefill_2": ("4,5", "5,6"), "prefill_3": ("6,7", "7,8"),
+        "decode": ("0,1,2,3", "1,2,3,4"), "decode_1": ("4,5,6,7", "5,6,7,8"),
+    }  # fmt: skip
 
 
 def _mpirun_segments(script: str) -> list[list[str]]:
@@ -137,20 +144,19 @@ def test_h200_launch_script(h200):
     segments = _mpirun_segments(script)
     assert len(segments) == 9  # 1 orchestrator + prefill 1 x TP4 + decode 2 x TP2
     assert "One MPI world of 9 ranks" in script
-    repo = f"--model-repository={h200.model_repository.absolute()}"
+    repo = "--model-repository=$MODEL_REPOSITORY"
     for rank, argv in enumerate(segments):
         assert argv[:2] == ["tritonserver", repo]
         assert "--disable-auto-complete-config" in argv
         assert argv[-1] == f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"
     assert not any(a.startswith("--model-control-mode") for a in segments[0])  # rank 0 loads everything
     loads = [[a for a in argv if a.startswith("--load-model=")] for argv in segments[1:]]
-    assert loads == [["--load-model=prefill"]] * 4 + [["--load-model=decode"]] * 4
+    assert loads == [["--load-model=prefill"]] * 4 + [["--load-model=decode"]] * 2 + [["--load-model=decode_1"]] * 2
     assert all("--model-control-mode=explicit" in argv for argv in segments[1:])
     assert _exports(script) == {
         "DISAGG_ENGINE_GRPC_URL": "127.0.0.1:8001",
         "TRTLLM_ORCHESTRATOR": "1",
-        "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "0",
-        "TRTLLM_USE_UCX_KVCACHE": "1",
+        "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "0",  # 1.0 pins the MPI transceiver: no TRTLLM_USE_*_KVCACHE
         "UCX_MEMTYPE_CACHE": "n",
         "UCX_RNDV_FRAG_MEM_TYPES": "cuda",
         "UCX_RNDV_PIPELINE_ERROR_HANDLING": "y",
@@ -168,14 +174,17 @@ def test_launch_scripts_are_valid_bash(h200, tmp_path):
             subprocess.run(["bash", "-n", str(path)], check=True)
 
 
-def test_kv_backend_selects_the_transceiver_and_nvlink_is_optional(tmp_path):
+@pytest.mark.parametrize("release, exported", [("0.18", "1"), ("0.20", "1"), ("1.0", None)])
+def test_kv_backend_selects_the_transceiver_where_the_release_reads_it_and_nvlink_is_optional(tmp_path, release, exported):
     def mpi_without_nvlink(raw):
+        raw.update(trtllm_release=release)
         raw["kv_transfer"] = {"backend": "mpi", "nvlink": False}
 
     spec = example_spec("h200x8-intra-node", model_dir(tmp_path), mpi_without_nvlink)
     exports = _exports(render_launch_script(spec)["launch.sh"])
-    assert exports["TRTLLM_USE_MPI_KVCACHE"] == "1"
+    assert exports.get("TRTLLM_USE_MPI_KVCACHE") == exported
     assert not any(k.startswith("UCX_") or k.startswith("TRTLLM_USE_UCX") for k in exports)
+    assert f"(TensorRT-LLM {release}; images " in render_launch_script(spec)["launch.sh"]
 
 
 def test_two_pools_get_one_script_and_world_each(tmp_path):
@@ -187,10 +196,11 @@ def test_two_pools_get_one_script_and_world_each(tmp_path):
     # Rank 0 of the first pool serves the whole repository but the other pool's engine.
     assert [a for a in front[0] if a.startswith("--load-model=")] == [
         "--load-model=preprocessing", "--load-model=postprocessing", "--load-model=prefill",
+        "--load-model=prefill_1", "--load-model=prefill_2", "--load-model=prefill_3",
         "--load-model=disagg_orchestrator", "--load-model=ensemble",
     ]  # fmt: skip
-    assert [a for a in back[0] if a.startswith("--load-model=")] == ["--load-model=decode"]
-    assert "the orchestrator here reaches decode at decode-pool:8001 over gRPC" in scripts["launch-prefill-pool.sh"]
+    assert [a for a in back[0] if a.startswith("--load-model=")] == ["--load-model=decode", "--load-model=decode_1"]
+    assert "the orchestrator here reaches decode at decode-pool:8001, decode_1 at decode-pool:8001 over gRPC" in scripts["launch-prefill-pool.sh"]
     assert "calls this pool's models over gRPC at decode-pool:8001" in scripts["launch-decode-pool.sh"]
     assert _exports(scripts["launch-decode-pool.sh"])["TRTLLM_USE_UCX_KVCACHE"] == "1"
     assert "UCX_MEMTYPE_CACHE" not in _exports(scripts["launch-decode-pool.sh"])  # nvlink: false
@@ -198,9 +208,9 @@ def test_two_pools_get_one_script_and_world_each(tmp_path):
 
 def test_the_front_pool_orchestrator_calls_the_decode_pool_at_its_server(tmp_path):
     two_pools = example_spec("two-pools", model_dir(tmp_path))
-    assert engine_urls(two_pools) == "decode=decode-pool:8001"
+    assert engine_urls(two_pools) == "decode=decode-pool:8001,decode_1=decode-pool:8001"
     orchestrator = next(m for m in plan_models(two_pools) if m.name == "disagg_orchestrator")
-    assert parse_engine_urls(_params(_parse(orchestrator.config))["engine_urls"]) == {"decode": "decode-pool:8001"}
+    assert parse_engine_urls(_params(_parse(orchestrator.config))["engine_urls"]) == {"decode": "decode-pool:8001", "decode_1": "decode-pool:8001"}
     assert engine_urls(example_spec("h200x8-intra-node", model_dir(tmp_path))) == ""  # one node: all local
 
 
@@ -222,7 +232,7 @@ def test_kv_transports_the_engine_cannot_use_are_rejected(tmp_path, kv_transfer,
     with pytest.raises(SpecError, match=message):
         render_launch_script(spec)
     with pytest.raises(SpecError, match=message):
-        render_engine_config(spec, "decode")
+        render_engine_configs(spec, "decode")
     with pytest.raises(SpecError, match=message):  # before any build work
         dry_run_lines(spec, ["prefill"])
 
@@ -230,10 +240,40 @@ def test_kv_transports_the_engine_cannot_use_are_rejected(tmp_path, kv_transfer,
 def test_roles_must_share_the_kv_block_size(tmp_path):
     spec = example_spec("two-pools", model_dir(tmp_path), lambda raw: raw["roles"]["decode"].update(tokens_per_block=64))
     with pytest.raises(SpecError, match=r"^roles\.decode\.tokens_per_block: 64 differs from roles\.prefill\.tokens_per_block=32"):
-        render_engine_config(spec, "prefill")
+        render_engine_configs(spec, "prefill")
 
 
 def test_node_names_must_be_host_names(tmp_path):
     spec = example_spec("two-pools", model_dir(tmp_path), lambda raw: raw["roles"]["decode"].update(node="decode pool"))
     with pytest.raises(SpecError, match=r"^roles\.decode\.node: 'decode pool' is not a host name"):
         render_launch_script(spec)
+
+
+def test_engine_root_renders_paths_for_the_serving_host(tmp_path):
+    spec = example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["output"].update(engine_root="/engines"))
+    assert {name: _params(c)["gpt_model_path"] for name, c in _configs(spec, "decode").items()} == {
+        "decode": "/engines/decode", "decode_1": "/engines/decode",
+    }
+    assert "need \"engine of model prefill (gpt_model_path)\" /engines/prefill/config.json" in render_launch_script(spec)["launch.sh"]
+    with pytest.raises(SpecError, match=r"^output\.engine_root: 'engines' must be an absolute path"):
+        example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["output"].update(engine_root="engines"))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_launch_script_names_each_missing_path_before_starting(tmp_path):
+    """Run where nothing exists: the script must stop before mpirun and name every missing path."""
+    spec = example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["output"].update(engine_root="/nonexistent/engines"))
+    script = tmp_path / "launch" / "launch.sh"
+    script.parent.mkdir()
+    script.write_text(render_launch_script(spec)["launch.sh"])
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert run.returncode == 1
+    assert run.stderr.splitlines() == [
+        f"launch.sh: model repository (MODEL_REPOSITORY) not found: {script.parent}/../model_repository",
+        "launch.sh: engine of model prefill (gpt_model_path) not found: /nonexistent/engines/prefill/config.json",
+        "launch.sh: engine of model decode (gpt_model_path) not found: /nonexistent/engines/decode/config.json",
+        "launch.sh: engine of model decode_1 (gpt_model_path) not found: /nonexistent/engines/decode/config.json",
+    ]
+    (tmp_path / "model_repository").mkdir()
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "MODEL_REPOSITORY": str(tmp_path / "model_repository")})
+    assert "model repository" not in run.stderr and run.returncode == 1

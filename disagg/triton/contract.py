@@ -11,6 +11,10 @@ SET_INPUTS = ("streaming", "context_phase_params", "stop")
 OUTPUTS_READ = ("output_ids", "context_phase_params")
 REQUEST_PARAMETERS = ("request_type",)
 REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
+# The tensorrtllm backend's answer to a context-only request that ended in its context phase (end_id first,
+# or one output token): the executor gives it no context phase params, and model_instance_state.cc
+# fillTritonResponse throws this, which its catch sends as the response's error.
+CONTEXT_PARAMS_MISSING = "contextParams must be present in the response"
 # The orchestrator calls the engine models over Triton's gRPC endpoint (not BLS: concurrent decoupled
 # BLS streams crash Triton 2.51's python backend). disagg-serve sets this; default: the standard port.
 # Engines served by another node's tritonserver (a separate pool) are named in the orchestrator's
@@ -20,12 +24,27 @@ ENGINE_GRPC_PORT = 8001
 DEFAULT_ENGINE_URL = f"127.0.0.1:{ENGINE_GRPC_PORT}"
 
 
+def _pairs(value: str, parameter: str, form: str, valid) -> dict[str, str]:
+    pairs = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or not key or not valid(val):
+            raise ValueError(f"{parameter}: {item!r} is not {form}")
+        pairs[key] = val
+    return pairs
+
+
 def parse_engine_urls(value: str) -> dict[str, str]:
     """"decode=decode-pool:8001,decode_1=..." -> {model: url}; empty: every engine is on this server."""
-    urls = {}
-    for item in filter(None, (part.strip() for part in value.split(","))):
-        model, sep, url = item.partition("=")
-        if not sep or not model or ":" not in url:
-            raise ValueError(f"engine_urls: {item!r} is not model=host:port")
-        urls[model] = url
-    return urls
+    return _pairs(value, "engine_urls", "model=host:port", lambda url: ":" in url)
+
+
+def parse_input_names(value: str) -> dict[str, str]:
+    """The orchestrator's `engine_input_names`, "seed=random_seed,...": inputs the engine's release reads
+    under an older name (disagg.trtllm.versions); empty: the newest names."""
+    return _pairs(value, "engine_input_names", "name=engine_name", bool)
+
+
+def rename_inputs(arrays: dict, names: dict[str, str]) -> dict:
+    """The orchestrator's request tensors under the names the engine's release reads (`parse_input_names`)."""
+    return {names.get(name, name): array for name, array in arrays.items()}

@@ -4,14 +4,19 @@ A decoupled Python model in the place of upstream's disaggregated BLS. It reache
 through the server's own gRPC endpoint (see `Hop` for why not BLS). Where the upstream BLS blocks on
 one request at a time and throws the context phase's token away, this one:
 - serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`;
-- streams the context phase's first token the moment prefill returns it (TTFT = prefill), and asks
-  decode only for the tokens after it, so nothing is duplicated;
-- sends decode to the least loaded decode model (fewest sequences in flight, then most free KV
-  blocks, as the engines publish on the load board);
+- streams the context phase's first token the moment prefill returns it (TTFT = prefill), and drops
+  the copy of it that every generation-only response stream starts with (TensorRT-LLM re-adds it), so
+  the client sees each token once;
+- knows that a context-only request the context phase already ends has no `context_phase_params`, so
+  the tensorrtllm backend answers it with an error: a one-token request goes to prefill whole
+  (context_and_generation), and one whose first token is end_id is asked again that way;
+- sends each phase to the least loaded engine instance (every instance is a model of its own: fewest
+  sequences in flight, then most free KV blocks, as the reference engines publish on the load board);
 - gives each hop a deadline (`prefill_timeout_s`, `decode_timeout_s`: longest wait for the next
   response) with an error that names the hop;
-- on client cancellation, a hop error or a timeout, sends `stop` for the request id to the engines,
-  which frees its KV wherever it is: running, queued, or held for the handoff.
+- on client cancellation, a hop error or a timeout, sends `stop` for the request id to the engine
+  models it reached (a `stop` acts only on the instance it lands on), which frees its KV wherever it
+  is: running, queued, or held for the handoff.
 Mode "aggregated" sends the request to one engine as context_and_generation through the same path,
 so the baseline pays the same front-end costs.
 
@@ -40,7 +45,10 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
 from disagg.triton import cancel_board, load_board
-from disagg.triton.contract import DEFAULT_ENGINE_URL, ENGINE_URL_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls
+from disagg.triton.contract import (
+    CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
+    rename_inputs,
+)
 from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics
 from disagg.triton.paths import model_param, repository_root
 
@@ -214,16 +222,18 @@ class TritonPythonModel:
         self.mode = model_param(args, "mode")
         if self.mode == "aggregated":
             self.engines = [model_param(args, "aggregated_model_name")]
-            self.decoders = []
+            self.prefills, self.decoders = [], []
         else:
+            self.prefills = model_param(args, "context_model_name").split(",")
             self.decoders = model_param(args, "generation_model_name").split(",")
-            self.engines = [model_param(args, "context_model_name"), *self.decoders]
+            self.engines = [*self.prefills, *self.decoders]
         self.board_key = load_board.board_key(repository_root(args))
         self.instance = args["model_instance_name"]
         cancel_board.remove_leftovers(self.board_key, self.instance)
         local = os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL)
         remote = parse_engine_urls(model_param(args, "engine_urls"))
         self.engine_urls = {model: remote.get(model, local) for model in self.engines}
+        self.input_names = parse_input_names(model_param(args, "engine_input_names"))
         self.dispatched: dict[str, int] = {}
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
@@ -257,24 +267,22 @@ class TritonPythonModel:
         flag = cancel_board.CancelFlag(self.board_key, self.instance, request_id)
         streaming = arrays.pop("streaming", None)
         client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]), flag.stream_id)
-        inputs = {**arrays, "streaming": _scalar(True, np.bool_)}
+        inputs = {**rename_inputs(arrays, self.input_names), "streaming": _scalar(True, np.bool_)}
+        touched: list[str] = []  # engine models this request reached, for `stop`
 
         def cancelled() -> bool:
             return flag.is_raised() or sender.is_cancelled()
 
         try:
             if self.mode == "aggregated":
-                with self._hop(self.engines[0], inputs, request_id, "context_and_generation") as hop:
-                    for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, cancelled)):
-                        if n == 0:
-                            self.ttft.observe(time.monotonic() - arrival)
-                        client.emit(tokens)
+                touched.append(self.engines[0])
+                self._context_and_generation(self.engines[0], inputs, request_id, client, cancelled, arrival)
             else:
-                self._disaggregated(request_id, inputs, client, cancelled, arrival)
+                self._disaggregated(request_id, inputs, client, cancelled, arrival, touched)
             client.finish()
         except Cancelled:
             self.cancels.increment(1)
-            self._stop_everywhere(request_id)
+            self._stop(request_id, touched)
             self._quietly(client.finish)
         except HopError as exc:
             message = str(exc)
@@ -282,43 +290,82 @@ class TritonPythonModel:
             self._quietly(lambda: client.fail(message))  # first: a hung engine must not delay the error
             with STUB_LOCK:
                 pb_utils.Logger.log_warn(f"{self.instance}: request {request_id} failed: {message}")
-            self._stop_everywhere(request_id)
+            self._stop(request_id, touched)
         finally:
             flag.close()
             self._track(-1)
 
-    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float) -> None:
-        with self._hop(self.engines[0], inputs, request_id, "context_only") as hop:
-            context = list(hop.results(self.prefill_timeout_s, cancelled))
-        if not context:  # the first token was end_id: the request is complete and empty
-            return
-        tokens, params = context[-1]
-        client.emit(tokens)
+    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float, touched: list[str]) -> None:
+        prefill = self._pick(self.prefills)
+        touched.append(prefill)
+        try:
+            if int(inputs["request_output_len"].reshape(-1)[0]) <= 1:  # the context phase is all of it
+                self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
+                return
+            try:
+                with self._hop(prefill, inputs, request_id, "context_only") as hop:
+                    context = list(hop.results(self.prefill_timeout_s, cancelled))
+            except HopError as exc:
+                if CONTEXT_PARAMS_MISSING not in str(exc):
+                    raise
+                # The first token ended the request (end_id): a context-only request has no params then, and
+                # the backend answers with this error. Ask for that one token as a whole request instead.
+                one = {**inputs, "request_output_len": _scalar(1, np.int32)}
+                self._context_and_generation(prefill, one, request_id, client, cancelled, arrival)
+                return
+        finally:
+            self._done(prefill)
+        tokens = [t for ids, _ in context for t in ids]
+        params = next((p for _, p in reversed(context) if p is not None), None)
+        if params is None or not tokens:
+            raise HopError(f"{prefill}: context-only response without its first token and context_phase_params")
+        client.emit(tokens[:1])
         self.ttft.observe(time.monotonic() - arrival)
-        if params is None:  # finished in the context phase (end_id or max_tokens=1): no KV was kept
-            return
         with STUB_LOCK:
             if cancelled():
                 raise Cancelled()
-        with self._lock:
-            decode = load_board.least_loaded(self.board_key, self.decoders, self.dispatched)
-            self.dispatched[decode] = self.dispatched.get(decode, 0) + 1
+        decode = self._pick(self.decoders)
+        touched.append(decode)
         try:
             with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
-                for tokens, _ in hop.results(self.decode_timeout_s, cancelled):
-                    client.emit(tokens)
+                # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds
+                # it; the reference engine does the same): the client already has it.
+                skip = 1
+                for ids, _ in hop.results(self.decode_timeout_s, cancelled):
+                    client.emit(ids[skip:])
+                    skip = max(0, skip - len(ids))
         finally:
-            with self._lock:
-                self.dispatched[decode] -= 1
+            self._done(decode)
 
-    def _stop_everywhere(self, request_id: str) -> None:
-        """Frees the request's KV in every engine it may have touched (a no-op where it is gone)."""
+    def _context_and_generation(self, model: str, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled, arrival: float) -> None:
+        """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one."""
+        with self._hop(model, inputs, request_id, "context_and_generation") as hop:
+            for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, cancelled)):
+                if n == 0:
+                    self.ttft.observe(time.monotonic() - arrival)
+                client.emit(tokens)
+
+    def _pick(self, models: list[str]) -> str:
+        """The least loaded of `models` (one per engine instance); counted as dispatched until `_done`."""
+        with self._lock:
+            model = load_board.least_loaded(self.board_key, models, self.dispatched)
+            self.dispatched[model] = self.dispatched.get(model, 0) + 1
+        return model
+
+    def _done(self, model: str) -> None:
+        with self._lock:
+            self.dispatched[model] -= 1
+
+    def _stop(self, request_id: str, models: list[str]) -> None:
+        """Sends `stop` for the request to each model it touched, which frees its KV there (held handoff
+        included; a no-op where it is gone). A `stop` acts only on the instance it lands on, so every
+        engine instance is a model of its own and `models` names exactly where the request went."""
         stop = {
             "input_lengths": _scalar(0, np.int32),
             "request_output_len": _scalar(1, np.int32),
             "stop": _scalar(True, np.bool_),
         }
-        for model in self.engines:
+        for model in models:
             def send_stop(m=model):
                 with self._hop(m, stop, request_id, "context_and_generation") as hop:
                     list(hop.results(5.0, lambda: False))

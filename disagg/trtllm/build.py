@@ -7,6 +7,7 @@ reading 16 GB of weights on every run would cost minutes for a check that mtime 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -33,8 +34,19 @@ def dry_run_lines(spec: DeploymentSpec, roles: list[str]) -> list[str]:
     return [cmd.shell() for name in roles for cmd in role_commands(spec, name)]
 
 
+def pin_release(spec: DeploymentSpec) -> DeploymentSpec:
+    """The spec with `trtllm_release` set to the installed TensorRT-LLM's line; an error when the spec
+    names another (engines, configs and launch script must all be for the release that runs them)."""
+    version = versions.detect_version()
+    installed = versions.find(version)
+    if spec.trtllm_release is not None and versions.release_of(spec) != installed:
+        raise SpecError("trtllm_release", f"{spec.trtllm_release!r}, but the installed TensorRT-LLM is {version} ({installed.image})")
+    return dataclasses.replace(spec, trtllm_release=installed.name)
+
+
 def build_roles(spec: DeploymentSpec, roles: list[str], force: bool) -> list[str]:
-    """Builds each role's engine unless it is up to date (or `force`); returns the roles rebuilt."""
+    """Builds each role's engine unless it is up to date (or `force`); returns the roles rebuilt.
+    `spec` has its release pinned (`pin_release`)."""
     _check(spec, roles)
     version = versions.detect_version()
     _check_tools(spec, version)
@@ -51,12 +63,13 @@ def _check(spec: DeploymentSpec, roles: list[str]) -> None:
 
 
 def _check_tools(spec: DeploymentSpec, version: str) -> None:
-    script = convert_script(version)
+    release = versions.release_of(spec)
+    script = convert_script(release)
     if not script.is_file():
         raise BuildError(
             f"{script} not found: set TRTLLM_EXAMPLES_DIR to the TensorRT-LLM examples dir "
             f"(in the NGC images: {versions.DEFAULT_EXAMPLES_DIR}); TensorRT-LLM {version} keeps the Llama "
-            f"converter at <examples>/{versions.llama_convert_script(version)}"
+            f"converter at <examples>/{release.converter}"
         )
     if shutil.which("trtllm-build") is None:
         raise BuildError("trtllm-build not found on PATH: it is installed with TensorRT-LLM")
@@ -92,7 +105,7 @@ def _recorded_fingerprint(manifest: Path) -> str | None:
 
 def _build_role(spec: DeploymentSpec, name: str, version: str, local_gpus: int | None, force: bool) -> bool:
     role = spec.roles[name]
-    commands = role_commands(spec, name, version=version, local_gpus=local_gpus)
+    commands = role_commands(spec, name, local_gpus=local_gpus)
     work = spec.build_dir / "trtllm" / name
     manifest, log, engine = work / "manifest.json", work / "build.log", engine_dir(spec, name)
     current = _fingerprint(commands, version, spec.model.path)

@@ -44,10 +44,10 @@ def engine_dir(spec: DeploymentSpec, role_name: str) -> Path:
     return spec.build_dir / "engines" / role_name
 
 
-def convert_script(version: str = versions.TARGET.trtllm) -> Path:
+def convert_script(release: versions.Release) -> Path:
     """The Llama converter; `TRTLLM_EXAMPLES_DIR` overrides the NGC image's examples dir."""
     examples = os.environ.get("TRTLLM_EXAMPLES_DIR", versions.DEFAULT_EXAMPLES_DIR)
-    return Path(examples) / versions.llama_convert_script(version)
+    return Path(examples) / release.converter
 
 
 def build_workers(role: RoleSpec, local_gpus: int | None = None) -> int:
@@ -63,14 +63,14 @@ def role_commands(
     spec: DeploymentSpec,
     role_name: str,
     *,
-    version: str = versions.TARGET.trtllm,
     local_gpus: int | None = None,
 ) -> tuple[Command, Command]:
-    """(convert, build) for one role, written for TensorRT-LLM `version`."""
+    """(convert, build) for one role, written for the spec's TensorRT-LLM release."""
     role = role_spec(spec, role_name)
+    release = versions.release_of(spec)
     ckpt = str(checkpoint_dir(spec, role_name))
     convert = (
-        "python3", str(convert_script(version)),
+        "python3", str(convert_script(release)),
         "--model_dir", str(spec.model.path),
         "--output_dir", ckpt,
         "--dtype", spec.model.dtype,
@@ -92,7 +92,7 @@ def role_commands(
         "--remove_input_padding", "enable",
         "--context_fmha", "enable",
     ]  # fmt: skip
-    if role.enable_kv_cache_reuse:  # reuse (and chunked context) need paged context FMHA
+    if role.enable_kv_cache_reuse or role.enable_chunked_context:  # both need paged context FMHA
         build += ["--use_paged_context_fmha", "enable"]
     build += ["--max_beam_width", "1", "--workers", str(build_workers(role, local_gpus))]
     return Command(role_name, "convert_checkpoint", convert), Command(role_name, "trtllm-build", tuple(build))

@@ -10,6 +10,7 @@ pool, and reaches the other pools' models over gRPC. Model names are the reposit
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import jinja2
 
-from disagg.render import ENGINE_MODELS, plan_models
+from disagg.render import plan_models, role_models
 from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_URL_ENV
 from disagg.spec import ROLES, DeploymentSpec, RoleSpec, SpecError
 from disagg.trtllm import versions
@@ -54,7 +55,8 @@ def _scalars(data_type: str, *names: str) -> tuple[Tensor, ...]:
     return tuple(Tensor(n, data_type, (1,), scalar=True) for n in names)
 
 
-# The text-LLM subset of the backend's contract: everything the orchestrator sends or reads.
+# The text-LLM subset of the backend's contract: everything the orchestrator sends or reads, under the
+# newest names (see versions.RENAMED_INPUTS; `inputs` gives a release's).
 INPUTS = (
     Tensor("input_ids", "TYPE_INT32", (-1,), ragged=True),
     Tensor("input_lengths", "TYPE_INT32", (1,), optional=False, scalar=True),
@@ -80,6 +82,11 @@ OUTPUTS = (
     *(Tensor(n, "TYPE_INT64", (1,)) for n in
       ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")),
 )  # fmt: skip
+
+
+def inputs(release: versions.Release) -> tuple[Tensor, ...]:
+    """INPUTS as `release`'s backend names them."""
+    return tuple(dataclasses.replace(t, name=release.input_name(t.name)) for t in INPUTS)
 
 
 @dataclass(frozen=True)
@@ -122,11 +129,20 @@ def check_spec(spec: DeploymentSpec) -> None:
             raise SpecError(f"roles.{role.name}.node", f"{role.node!r} is not a host name (letters, digits, '.', '_', '-')")
     if not spec.disaggregated:
         return
+    release = versions.release_of(spec)
     kv = spec.kv_transfer.backend
     if kv not in TRTLLM_KV_BACKENDS:
         raise SpecError(
             "kv_transfer.backend",
             f"{kv!r} is a reference-engine transport; TensorRT-LLM's cache transceiver uses {', '.join(TRTLLM_KV_BACKENDS)}",
+        )
+    if kv not in release.kv_transports:
+        others = [r.name for r in versions.RELEASES if kv in r.kv_transports]
+        raise SpecError(
+            "kv_transfer.backend",
+            f"{kv!r} does not work with TensorRT-LLM {release.name} (trtllm_release): {_transports_why(release)}; "
+            f"use {' or '.join(release.kv_transports)}"
+            + (f", or a release that has {kv}: {', '.join(others)}" if others else ""),
         )
     prefill, decode = spec.roles["prefill"], spec.roles["decode"]
     if prefill.tokens_per_block != decode.tokens_per_block:  # the block size travels in the CacheState
@@ -136,63 +152,111 @@ def check_spec(spec: DeploymentSpec) -> None:
             "keep them equal: the handed-over KV layout carries the block size, and converting it is not documented",
         )
     if kv == "mpi" and len(nodes(spec)) > 1:
+        ucx = [r.name for r in versions.RELEASES if "ucx" in r.kv_transports]
         raise SpecError(
             "kv_transfer.backend",
             f"'mpi' needs prefill and decode in one MPI world, but roles run on nodes {', '.join(nodes(spec))} "
-            "(one world per pool): use ucx or nixl",
+            "(one world per pool): "
+            + ("use ucx" if "ucx" in release.kv_transports else
+               f"TensorRT-LLM {release.name} has no other transport in Triton; set trtllm_release to {' or '.join(ucx)} "
+               "and use ucx between the pools, or put both roles on one node"),
         )
+    for role in _roles(spec):
+        if role.enable_chunked_context and not release.chunked_context:
+            raise SpecError(f"roles.{role.name}.enable_chunked_context", f"TensorRT-LLM {release.name}'s Triton backend has no chunked context")
+
+
+def _transports_why(release: versions.Release) -> str:
+    if not release.transport_from_env:
+        return ("its Triton backend sets the MPI cache transceiver itself and ignores TRTLLM_USE_*_KVCACHE "
+                "(TensorRT-LLM PR #5234)")
+    return f"its cache transceiver has {', '.join(release.kv_transports)} only (UCX came in 0.19)"
 
 
 def _templates() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+    env.filters["shquote"] = shlex.quote
+    return env
 
 
 def _ids(groups: list[tuple[int, ...]]) -> str:
     return ";".join(",".join(map(str, group)) for group in groups)
 
 
-def render_engine_config(spec: DeploymentSpec, role_name: str) -> str:
-    """config.pbtxt of one role's model; decoupled by default for every role, prefill included: the
-    orchestrator calls every engine slot with exec(decoupled=True), whichever backend fills it."""
+def gpt_model_path(spec: DeploymentSpec, role_name: str) -> str:
+    """The role's engine directory as the serving host sees it: under `output.engine_root` (e.g. a container
+    mount) when the spec names one, else where this machine builds it. The backend needs it to exist."""
+    if spec.engine_root is not None:
+        return str(spec.engine_root / role_name)
+    return str(engine_dir(spec, role_name).absolute())
+
+
+def model_name(spec: DeploymentSpec, x: InstanceRanks) -> str:
+    """The engine model an instance serves: its own (see disagg.render.role_models), or the aggregated one."""
+    models = role_models(spec, x.role)
+    return models[x.instance] if len(models) > 1 else models[0]
+
+
+def render_engine_configs(spec: DeploymentSpec, role_name: str) -> dict[str, str]:
+    """model name -> config.pbtxt of a role's engine models: one per prefill/decode instance, each with
+    its own `gpu_device_ids` and `participant_ids` entry; one for all aggregated instances (`;` between
+    them). Decoupled for every role, prefill included: the orchestrator streams from every engine slot."""
     role = role_spec(spec, role_name)
     check_spec(spec)
-    mine = [x for x in mpi_world(spec, role.node) if x.role == role_name]
+    models: dict[str, list[InstanceRanks]] = {}
+    for x in mpi_world(spec, role.node):
+        if x.role == role_name:
+            models.setdefault(model_name(spec, x), []).append(x)
+    return {name: _engine_config(spec, role, name, mine) for name, mine in models.items()}
+
+
+def _engine_config(spec: DeploymentSpec, role: RoleSpec, name: str, mine: list[InstanceRanks]) -> str:
     parameters = {
         "gpt_model_type": "inflight_fused_batching",
-        "gpt_model_path": str(engine_dir(spec, role_name).absolute()),
+        "gpt_model_path": gpt_model_path(spec, role.name),
         "batch_scheduler_policy": role.batch_scheduler_policy,
         "kv_cache_free_gpu_mem_fraction": str(role.kv_cache_free_gpu_mem_fraction),
         "enable_kv_cache_reuse": str(role.enable_kv_cache_reuse).lower(),
         "max_beam_width": "1",
         "gpu_device_ids": _ids([x.devices for x in mine]),
         "participant_ids": _ids([x.ranks for x in mine]),
+        "enable_chunked_context": str(role.enable_chunked_context).lower(),
         "exclude_input_in_output": "true",
         "cancellation_check_period_ms": str(CANCELLATION_CHECK_PERIOD_MS),
     }
+    release = versions.release_of(spec)
     return _templates().get_template("config.pbtxt.j2").render(
         source=spec.source or spec.name,
-        name=ENGINE_MODELS[role_name],
+        name=name,
         role=role,
+        release=release,
+        instances=len(mine),
         decoupled=True,
-        inputs=INPUTS,
+        inputs=inputs(release),
         outputs=OUTPUTS,
         parameters=parameters,
     )
 
 
-def _rank_argv(spec: DeploymentSpec, rank: int, load: list[str] | None) -> list[str]:
+# The launch script finds the repository beside itself (launch/ sits next to it), so the pair can be
+# copied to the serving host as they are; MODEL_REPOSITORY overrides it.
+REPOSITORY_ARG = '--model-repository="$MODEL_REPOSITORY"'
+
+
+def _rank_argv(rank: int, load: list[str] | None) -> str:
     """One tritonserver of the MPMD line, as launch_triton_server.py builds it; `load` None loads all."""
-    argv = ["tritonserver", f"--model-repository={spec.model_repository.absolute()}"]
+    argv = ["tritonserver"]
     argv += [f"--{kind}-port={port}" for kind, port in PORTS.items()]
     if load is not None:
         argv += ["--model-control-mode=explicit", *(f"--load-model={name}" for name in load)]
-    return argv + ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+    argv += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+    return " ".join([argv[0], REPOSITORY_ARG, *map(shlex.quote, argv[1:])])
 
 
 def _environment_vars(spec: DeploymentSpec) -> list[tuple[str, str]]:
@@ -200,7 +264,7 @@ def _environment_vars(spec: DeploymentSpec) -> list[tuple[str, str]]:
     # The disagg orchestrator reaches the engine models through this server's gRPC endpoint.
     env.append((ENGINE_URL_ENV, f"127.0.0.1:{PORTS['grpc']}"))
     if spec.disaggregated:
-        env.append((f"TRTLLM_USE_{spec.kv_transfer.backend.upper()}_KVCACHE", "1"))
+        env += versions.release_of(spec).transport_env(spec.kv_transfer.backend)
         if spec.kv_transfer.nvlink:
             env += NVLINK_ENV
     return env
@@ -212,10 +276,10 @@ def _models_here(spec: DeploymentSpec, node: str) -> list[str] | None:
     all_nodes = nodes(spec)
     if len(all_nodes) == 1:
         return None
-    elsewhere = {ENGINE_MODELS[r.name] for r in _roles(spec) if r.node != node}
+    elsewhere = {m for r in _roles(spec) if r.node != node for m in role_models(spec, r.name)}
     if node == all_nodes[0]:
         return [m.name for m in plan_models(spec) if m.name not in elsewhere]
-    return [ENGINE_MODELS[r.name] for r in _roles(spec) if r.node == node]
+    return [m for r in _roles(spec) if r.node == node for m in role_models(spec, r.name)]
 
 
 def _connection(spec: DeploymentSpec, node: str) -> list[str]:
@@ -224,7 +288,7 @@ def _connection(spec: DeploymentSpec, node: str) -> list[str]:
         return []
     front, grpc = all_nodes[0], PORTS["grpc"]
     if node == front:
-        remote = [f"{ENGINE_MODELS[r.name]} at {r.node}:{grpc}" for r in _roles(spec) if r.node != front]
+        remote = [f"{m} at {r.node}:{grpc}" for r in _roles(spec) if r.node != front for m in role_models(spec, r.name)]
         lines = [f"Front-end pool: the orchestrator here reaches {', '.join(remote)} over gRPC; start those pools too."]
     else:
         lines = [f"The orchestrator on {front} calls this pool's models over gRPC at {node}:{grpc}."]
@@ -234,19 +298,21 @@ def _connection(spec: DeploymentSpec, node: str) -> list[str]:
 def _launch_script(spec: DeploymentSpec, node: str) -> str:
     layout = mpi_world(spec, node)
     rank0_load = _models_here(spec, node)
-    segments = [_rank_argv(spec, 0, rank0_load)]
-    segments += [_rank_argv(spec, rank, [ENGINE_MODELS[x.role]]) for x in layout for rank in x.ranks]
+    segments = [_rank_argv(0, rank0_load)]
+    segments += [_rank_argv(rank, [model_name(spec, x)]) for x in layout for rank in x.ranks]
+    engines = {model_name(spec, x): gpt_model_path(spec, x.role) for x in layout}
     return _templates().get_template("launch.sh.j2").render(
         source=spec.source or spec.name,
         node=node,
-        supported=versions.SUPPORTED_RANGE,
-        image=versions.TARGET.image,
+        release=versions.release_of(spec),
         world_size=len(segments),
         layout=layout,
         rank0_load=rank0_load,
         connection=_connection(spec, node),
         env=_environment_vars(spec),
-        segments=[shlex.join(argv) for argv in segments],
+        repository=spec.model_repository.name,
+        engines=engines,
+        segments=segments,
     )
 
 
