@@ -11,30 +11,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from disagg.build.manifest import Manifest
+from disagg.backend import backend_for
+from disagg.render import render_repository
 from disagg.spec import ROLES, DeploymentSpec, SpecError, load_spec, with_engine_root
-
-
-def _backend(spec: DeploymentSpec):
-    if spec.backend == "tensorrt_llm":
-        from disagg.trtllm import build
-    else:
-        from disagg.build import reference as build
-    return build
 
 
 def build(spec: DeploymentSpec, only: list[str] | None = None, force: bool = False, render: bool = True, log=print) -> list[str]:
     """Builds the spec's roles (or `only` those) and renders the repository; returns the roles rebuilt."""
-    roles = only or list(spec.roles)
-    backend = _backend(spec)
-    if spec.backend == "tensorrt_llm":
-        spec = backend.pin_release(spec)
-        rebuilt = backend.build_roles(spec, roles, force)
-    else:
-        rebuilt = backend.build_roles(spec, roles, Manifest(spec.build_dir / "manifest.json"), force, log)
+    backend = backend_for(spec)
+    spec = backend.prepare(spec)
+    rebuilt = backend.build_roles(spec, only or list(spec.roles), force, log)
     if render:
-        from disagg.render import render_repository
-
         changed = render_repository(spec, spec.model_repository)
         log(f"model repository {spec.model_repository}: " + (f"{len(changed)} files written" if changed else "up to date"))
     if not rebuilt:
@@ -77,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SpecError(f"roles.{missing[0]}", f"--only {missing[0]}: the spec has no such role")
         if args.dry_run:
-            print("\n".join(_backend(spec).dry_run_lines(spec, args.only or list(spec.roles))))
+            print("\n".join(backend_for(spec).dry_run_lines(spec, args.only or list(spec.roles))))
             return 0
         build(spec, args.only, args.force, render=not args.no_render)
         return 0

@@ -17,6 +17,8 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from disagg.engine.config import engine_max_input_len
+
 ROLES = ("prefill", "decode", "aggregated")
 BACKENDS = ("reference", "tensorrt_llm")
 KV_TRANSFER_BACKENDS = ("shm", "tcp", "ucx", "nixl", "mpi")
@@ -151,11 +153,8 @@ class RoleSpec:
 
     @property
     def engine_max_input_len(self) -> int:
-        """The longest prompt the engine accepts, any request type (TensorRT-LLM's `trtGptModel.h`):
-        without chunked context a prompt must fit one step, `min(max_seq_len - 1, max_num_tokens)`."""
-        if self.enable_chunked_context:
-            return self.max_seq_len - 1
-        return min(self.max_seq_len - 1, self.max_num_tokens)
+        """The longest prompt the role's engine accepts, generation-only requests included."""
+        return engine_max_input_len(self.max_seq_len, self.max_num_tokens, self.enable_chunked_context)
 
     @property
     def max_output_len(self) -> int:
@@ -203,6 +202,10 @@ class DeploymentSpec:
     engine_root: Path | None = None  # where the serving host sees build_dir/engines, when not here
     trtllm_release: str | None = None  # backend tensorrt_llm: the TensorRT-LLM release line served
     source: Path | None = None
+
+    def engine_dir(self, role: str) -> Path:
+        """Where this machine builds the role's engine."""
+        return self.build_dir / "engines" / role
 
     @property
     def disaggregated(self) -> bool:

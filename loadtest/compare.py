@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from disagg.cli import build
-from disagg.render import ENGINE_MODELS, role_models
+from disagg.repository import ENGINE_MODELS, role_models
 from disagg.serve.server import TritonServer
 from disagg.spec import DeploymentSpec, load_spec
 from loadtest.metrics_sampler import MetricsSampler, MetricsSeries

@@ -7,7 +7,8 @@ import time
 import pytest
 import yaml
 
-from disagg.render import plan_models, role_models
+from disagg.render import plan_models
+from disagg.repository import role_models
 from disagg.spec import parse_spec
 from disagg.triton import load_board
 

@@ -10,7 +10,8 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from disagg.render import RenderError, parse_config, render_repository, render_template
+from disagg.render import render_repository
+from disagg.repository import RenderError, parse_config, render_template
 from disagg.spec import load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -295,3 +295,21 @@ def test_build_refuses_to_start_without_tensorrt_llm_or_its_tools(tmp_path, fake
     with pytest.raises(RuntimeError, match=r"^TensorRT-LLM is not installed"):
         build.build_roles(spec, ["prefill"], force=False)
     assert not (tmp_path / "build").exists()
+
+
+@pytest.mark.parametrize("name", ["h200x8-intra-node", "two-pools"])
+def test_build_engines_dry_run_passes_on_both_example_specs(tmp_path, capsys, name):
+    """The command a user runs, on the spec as shipped (its model path pointed at a Llama-3.1-8B config)."""
+    import yaml
+
+    from disagg.cli import main
+    from trtllm_helpers import ROOT
+
+    raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    raw["model"]["path"] = str(model_dir(tmp_path))
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    assert main(["--config", str(spec), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["python3", "trtllm-build"] * 2
+    assert all("--use_paged_context_fmha enable" in line for line in lines if "decode" in line and line.startswith("trtllm-build"))

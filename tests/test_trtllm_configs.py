@@ -28,6 +28,10 @@ ORCHESTRATOR_OUTPUTS = {
 TYPES = model_config_pb2.DataType
 
 
+def _scripts(spec) -> dict[str, str]:
+    return render_launch_script(spec, [m.name for m in plan_models(spec)])
+
+
 def _parse(text: str) -> model_config_pb2.ModelConfig:
     return text_format.Parse(text, model_config_pb2.ModelConfig())
 
@@ -103,7 +107,7 @@ def test_aggregated_engine_shares_the_world_under_the_repository_name(tmp_path):
     config = _configs(spec, "aggregated")["aggregated_engine"]
     assert config.name == "aggregated_engine" and config.model_transaction_policy.decoupled
     assert (_params(config)["gpu_device_ids"], _params(config)["participant_ids"]) == ("6,7", "7,8")
-    segments = _mpirun_segments(render_launch_script(spec)["launch.sh"])
+    segments = _mpirun_segments(_scripts(spec)["launch.sh"])
     assert [a for a in segments[-1] if a.startswith("--load-model=")] == ["--load-model=aggregated_engine"]
 
 
@@ -138,7 +142,7 @@ def _exports(script: str) -> dict[str, str]:
 
 
 def test_h200_launch_script(h200):
-    scripts = render_launch_script(h200)
+    scripts = _scripts(h200)
     assert list(scripts) == ["launch.sh"]
     script = scripts["launch.sh"]
     segments = _mpirun_segments(script)
@@ -168,7 +172,7 @@ def test_h200_launch_script(h200):
 def test_launch_scripts_are_valid_bash(h200, tmp_path):
     two_pools = example_spec("two-pools", model_dir(tmp_path))
     for spec in (h200, two_pools):
-        for name, text in render_launch_script(spec).items():
+        for name, text in _scripts(spec).items():
             path = tmp_path / name
             path.write_text(text)
             subprocess.run(["bash", "-n", str(path)], check=True)
@@ -181,15 +185,15 @@ def test_kv_backend_selects_the_transceiver_where_the_release_reads_it_and_nvlin
         raw["kv_transfer"] = {"backend": "mpi", "nvlink": False}
 
     spec = example_spec("h200x8-intra-node", model_dir(tmp_path), mpi_without_nvlink)
-    exports = _exports(render_launch_script(spec)["launch.sh"])
+    exports = _exports(_scripts(spec)["launch.sh"])
     assert exports.get("TRTLLM_USE_MPI_KVCACHE") == exported
     assert not any(k.startswith("UCX_") or k.startswith("TRTLLM_USE_UCX") for k in exports)
-    assert f"(TensorRT-LLM {release}; images " in render_launch_script(spec)["launch.sh"]
+    assert f"(TensorRT-LLM {release}; images " in _scripts(spec)["launch.sh"]
 
 
 def test_two_pools_get_one_script_and_world_each(tmp_path):
     spec = example_spec("two-pools", model_dir(tmp_path))
-    scripts = render_launch_script(spec)
+    scripts = _scripts(spec)
     assert list(scripts) == ["launch-prefill-pool.sh", "launch-decode-pool.sh"]
     front, back = (_mpirun_segments(scripts[name]) for name in scripts)
     assert len(front) == len(back) == 9  # 1 + 4 x TP2, and 1 + 2 x TP4
@@ -230,7 +234,7 @@ def test_a_malformed_engine_url_is_refused(value):
 def test_kv_transports_the_engine_cannot_use_are_rejected(tmp_path, kv_transfer, message):
     spec = example_spec("two-pools", model_dir(tmp_path), lambda raw: raw.update(kv_transfer=kv_transfer))
     with pytest.raises(SpecError, match=message):
-        render_launch_script(spec)
+        _scripts(spec)
     with pytest.raises(SpecError, match=message):
         render_engine_configs(spec, "decode")
     with pytest.raises(SpecError, match=message):  # before any build work
@@ -246,7 +250,7 @@ def test_roles_must_share_the_kv_block_size(tmp_path):
 def test_node_names_must_be_host_names(tmp_path):
     spec = example_spec("two-pools", model_dir(tmp_path), lambda raw: raw["roles"]["decode"].update(node="decode pool"))
     with pytest.raises(SpecError, match=r"^roles\.decode\.node: 'decode pool' is not a host name"):
-        render_launch_script(spec)
+        _scripts(spec)
 
 
 def test_engine_root_renders_paths_for_the_serving_host(tmp_path):
@@ -254,7 +258,7 @@ def test_engine_root_renders_paths_for_the_serving_host(tmp_path):
     assert {name: _params(c)["gpt_model_path"] for name, c in _configs(spec, "decode").items()} == {
         "decode": "/engines/decode", "decode_1": "/engines/decode",
     }
-    assert "need \"engine of model prefill (gpt_model_path)\" /engines/prefill/config.json" in render_launch_script(spec)["launch.sh"]
+    assert "need \"engine of model prefill (gpt_model_path)\" /engines/prefill/config.json" in _scripts(spec)["launch.sh"]
     with pytest.raises(SpecError, match=r"^output\.engine_root: 'engines' must be an absolute path"):
         example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["output"].update(engine_root="engines"))
 
@@ -265,7 +269,7 @@ def test_launch_script_names_each_missing_path_before_starting(tmp_path):
     spec = example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["output"].update(engine_root="/nonexistent/engines"))
     script = tmp_path / "launch" / "launch.sh"
     script.parent.mkdir()
-    script.write_text(render_launch_script(spec)["launch.sh"])
+    script.write_text(_scripts(spec)["launch.sh"])
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert run.returncode == 1
     assert run.stderr.splitlines() == [

@@ -6,17 +6,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from disagg.backend import EngineBackend
 from disagg.build.manifest import Manifest, inputs_key
 from disagg.checkpoint import generate_checkpoint
 from disagg.engine.config import ENGINE_FORMAT, BuildConfig, EngineConfig, LlamaConfig, Mapping
 from disagg.engine.weights import load_hf_weights, write_engine
+from disagg.repository import Model, python_model, repo_relative, role_models
 from disagg.spec import DeploymentSpec, RoleSpec
 
 GENERATED_MARKER = ".disagg-generated.json"
-
-
-def engine_dir(spec: DeploymentSpec, role: str) -> Path:
-    return spec.build_dir / "engines" / role
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -69,18 +67,20 @@ def dry_run_lines(spec: DeploymentSpec, roles: list[str]) -> list[str]:
         lines.append(f"# generate {spec.model.path} from preset {spec.model.generate_preset} seed {spec.model.generate_seed} if missing")
     for name in roles:
         r = spec.roles[name]
-        lines.append(f"# shard {spec.model.path} -> {engine_dir(spec, name)} (tp={r.tp} pp={r.pp}, {r.world_size} rank files)")
+        lines.append(f"# shard {spec.model.path} -> {spec.engine_dir(name)} (tp={r.tp} pp={r.pp}, {r.world_size} rank files)")
     return lines
 
 
-def build_roles(spec: DeploymentSpec, roles: list[str], manifest: Manifest, force: bool, log=print) -> list[str]:
-    """Builds the roles whose inputs changed (all of them with `force`); returns the names rebuilt."""
+def build_roles(spec: DeploymentSpec, roles: list[str], force: bool, log=print) -> list[str]:
+    """Builds the roles whose inputs changed (all of them with `force`); returns the names rebuilt.
+    `build/manifest.json` records what each engine was built from."""
+    manifest = Manifest(spec.build_dir / "manifest.json")
     ensure_checkpoint(spec, log)
     keys = {name: _role_key(spec, spec.roles[name]) for name in roles}
     todo = [n for n in roles if force or not manifest.up_to_date(f"engine:{n}", keys[n])]
     for name in roles:
         if name not in todo:
-            log(f"[{name}] engine up to date ({engine_dir(spec, name)})")
+            log(f"[{name}] engine up to date ({spec.engine_dir(name)})")
     if not todo:
         return []
     weights = load_hf_weights(spec.model.path)
@@ -89,11 +89,47 @@ def build_roles(spec: DeploymentSpec, roles: list[str], manifest: Manifest, forc
         for name in todo:
             role = spec.roles[name]
             bar.set_postfix_str(f"{name} tp={role.tp} pp={role.pp}")
-            out = engine_dir(spec, name)
+            out = spec.engine_dir(name)
             for stale in out.glob("rank*.safetensors"):
                 stale.unlink()
             files = write_engine(out, engine_config(spec, role), weights, progress=lambda _rank: bar.update())
             manifest.record(f"engine:{name}", keys[name], [*files, out / "config.json"])
     for name in todo:
-        log(f"[{name}] engine built ({engine_dir(spec, name)}, tp={spec.roles[name].tp} pp={spec.roles[name].pp})")
+        log(f"[{name}] engine built ({spec.engine_dir(name)}, tp={spec.roles[name].tp} pp={spec.roles[name].pp})")
     return todo
+
+
+def engine_models(spec: DeploymentSpec) -> list[Model]:
+    """The reference engine's Python model per engine model name (disagg/triton/engine_model.py), with the
+    tensorrtllm backend's tensor names. Its engine dir is relative to the repository, so the committed
+    repository works from any checkout, unless `output.engine_root` names where the serving host has it."""
+    kv = spec.kv_transfer
+    models = []
+    for role in spec.roles.values():
+        engine = str(spec.engine_root / role.name) if spec.engine_root else repo_relative(spec, spec.engine_dir(role.name))
+        instances = role.instances if role.name == "aggregated" else 1  # else a model per instance
+        for name in role_models(spec, role.name):
+            models.append(python_model(
+                name, "engine.pbtxt.j2", "engine_model", role=role, instances=instances,
+                parameters={
+                    "engine_dir": engine,
+                    "role": role.name,
+                    "kv_transfer_backend": kv.backend,
+                    "kv_lease_seconds": kv.lease_seconds,
+                    "kv_bind_address": kv.bind_address,
+                },
+            ))
+    return models
+
+
+class ReferenceBackend(EngineBackend):
+    """The CPU reference engine: sharded numpy engines, served by Python models."""
+
+    def build_roles(self, spec, roles, force, log):
+        return build_roles(spec, roles, force, log)
+
+    def dry_run_lines(self, spec, roles):
+        return dry_run_lines(spec, roles)
+
+    def engine_models(self, spec):
+        return engine_models(spec)

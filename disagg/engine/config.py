@@ -82,6 +82,15 @@ class Mapping:
         return stages
 
 
+def engine_max_input_len(max_seq_len: int, max_num_tokens: int, chunked_context: bool) -> int:
+    """The longest prompt an engine accepts, whatever the request type, as TensorRT-LLM's trtGptModel.h sets
+    `mMaxInputLen` (context FMHA and packed input on): `max_seq_len - 1` with chunked context, else
+    `min(max_seq_len - 1, max_num_tokens)`, a whole prompt in one step."""
+    if chunked_context:
+        return max_seq_len - 1
+    return min(max_seq_len - 1, max_num_tokens)
+
+
 @dataclass(frozen=True)
 class BuildConfig:
     """A role's limits, baked into its engine like `trtllm-build`'s build_config."""
@@ -96,13 +105,9 @@ class BuildConfig:
 
     @property
     def engine_max_input_len(self) -> int:
-        """The longest prompt the engine accepts, whatever the request type: `max_seq_len - 1` with chunked
-        context, else `min(max_seq_len - 1, max_num_tokens)` (a whole prompt in one step), as TensorRT-LLM's
-        trtGptModel.h sets `mMaxInputLen` for engines with context FMHA and packed input. `max_input_len`
-        itself only bounds what preprocessing lets through."""
-        if self.enable_chunked_context:
-            return self.max_seq_len - 1
-        return min(self.max_seq_len - 1, self.max_num_tokens)
+        """The longest prompt the engine accepts (`max_input_len` itself only bounds what preprocessing lets
+        through)."""
+        return engine_max_input_len(self.max_seq_len, self.max_num_tokens, self.enable_chunked_context)
 
 
 @dataclass(frozen=True)

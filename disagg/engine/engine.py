@@ -42,7 +42,6 @@ from disagg.engine.llama import LlamaModel, StepInput
 from disagg.engine.paged_kv import PagedKV
 from disagg.engine.sampling import SamplingParams, sample
 from disagg.engine.weights import read_rank
-from disagg.triton.contract import REQUEST_TYPES
 
 # What the tensorrtllm backend answers for a prompt over the engine's maximum input length, any request
 # type: LlmRequest::validate (llmRequest.cpp) throws it, executorImpl.cpp fetchNewRequests prefixes it.
@@ -51,6 +50,10 @@ PROMPT_TOO_LONG = (
     "Encountered an error when fetching new request: Prompt length ({}) exceeds maximum input length ({}). "
     "Set log level to info and check TRTGptModel logs for how maximum input length is set"
 )
+
+
+# TensorRT-LLM's request types, as the tensorrtllm backend reads the `request_type` request parameter.
+REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
 
 
 class RequestError(ValueError):

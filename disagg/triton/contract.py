@@ -10,7 +10,7 @@ FORWARDED_INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id"
 SET_INPUTS = ("streaming", "context_phase_params", "stop")
 OUTPUTS_READ = ("output_ids", "context_phase_params")
 REQUEST_PARAMETERS = ("request_type",)
-REQUEST_TYPES = ("context_and_generation", "context_only", "generation_only")
+# (values: disagg.engine.engine.REQUEST_TYPES)
 # The tensorrtllm backend's answer to a context-only request that ended in its context phase (end_id first,
 # or one output token): the executor gives it no context phase params, and model_instance_state.cc
 # fillTritonResponse throws this, which its catch sends as the response's error.

@@ -140,7 +140,8 @@ class TritonPythonModel:
         self.streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        threading.Thread(target=self._refresh_metrics, name="metrics", daemon=True).start()
+        self._refresher = threading.Thread(target=self._refresh_metrics, name="metrics", daemon=True)
+        self._refresher.start()
 
     def execute(self, requests):
         for request in requests:
@@ -274,6 +275,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self._closed.set()
+        self._refresher.join(timeout=5)  # a publish already under way would recreate the entry withdrawn here
         load_board.withdraw(self.board_key, self.name, self.instance)
         self.pulls.shutdown(wait=False, cancel_futures=True)
         if self.agent is not None:

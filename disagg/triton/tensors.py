@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from disagg.engine.engine import RequestError
-from disagg.triton.contract import REQUEST_TYPES
+from disagg.engine.engine import REQUEST_TYPES, RequestError
 from disagg.engine.sampling import SamplingParams
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from disagg.placement.inventory import inventory
 from disagg.spec import DeploymentSpec, SpecError
 from disagg.trtllm import versions
-from disagg.trtllm.commands import Command, checkpoint_dir, convert_script, engine_dir, role_commands, role_spec
+from disagg.trtllm.commands import Command, checkpoint_dir, convert_script, role_commands, role_spec
 from disagg.trtllm.render import check_spec
 
 TAIL_LINES = 20
@@ -107,7 +107,7 @@ def _build_role(spec: DeploymentSpec, name: str, version: str, local_gpus: int |
     role = spec.roles[name]
     commands = role_commands(spec, name, local_gpus=local_gpus)
     work = spec.build_dir / "trtllm" / name
-    manifest, log, engine = work / "manifest.json", work / "build.log", engine_dir(spec, name)
+    manifest, log, engine = work / "manifest.json", work / "build.log", spec.engine_dir(name)
     current = _fingerprint(commands, version, spec.model.path)
     if not force and _recorded_fingerprint(manifest) == current and _engine_complete(engine, role.world_size):
         print(f"[{name}] up to date ({engine})", flush=True)

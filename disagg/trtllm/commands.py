@@ -40,10 +40,6 @@ def checkpoint_dir(spec: DeploymentSpec, role_name: str) -> Path:
     return spec.build_dir / "trtllm" / role_name / "checkpoint"
 
 
-def engine_dir(spec: DeploymentSpec, role_name: str) -> Path:
-    return spec.build_dir / "engines" / role_name
-
-
 def convert_script(release: versions.Release) -> Path:
     """The Llama converter; `TRTLLM_EXAMPLES_DIR` overrides the NGC image's examples dir."""
     examples = os.environ.get("TRTLLM_EXAMPLES_DIR", versions.DEFAULT_EXAMPLES_DIR)
@@ -80,7 +76,7 @@ def role_commands(
     build = [
         "trtllm-build",
         "--checkpoint_dir", ckpt,
-        "--output_dir", str(engine_dir(spec, role_name)),
+        "--output_dir", str(spec.engine_dir(role_name)),
         "--max_batch_size", str(role.max_batch_size),
         "--max_input_len", str(role.max_input_len),
         "--max_seq_len", str(role.max_seq_len),

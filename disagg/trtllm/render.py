@@ -16,15 +16,12 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-import jinja2
-
-from disagg.render import plan_models, role_models
+from disagg.repository import render_template, role_models
 from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_URL_ENV
 from disagg.spec import ROLES, DeploymentSpec, RoleSpec, SpecError
 from disagg.trtllm import versions
-from disagg.trtllm.commands import engine_dir, role_spec
+from disagg.trtllm.commands import role_spec
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "tensorrtllm"
 TRTLLM_KV_BACKENDS = ("ucx", "nixl", "mpi")
 # The orchestrator cancels requests whose client went away; this bounds how long such a request keeps
 # decoding (and holding KV blocks). Upstream's default is 100 ms.
@@ -173,18 +170,6 @@ def _transports_why(release: versions.Release) -> str:
     return f"its cache transceiver has {', '.join(release.kv_transports)} only (UCX came in 0.19)"
 
 
-def _templates() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
-    env.filters["shquote"] = shlex.quote
-    return env
-
-
 def _ids(groups: list[tuple[int, ...]]) -> str:
     return ";".join(",".join(map(str, group)) for group in groups)
 
@@ -194,7 +179,7 @@ def gpt_model_path(spec: DeploymentSpec, role_name: str) -> str:
     mount) when the spec names one, else where this machine builds it. The backend needs it to exist."""
     if spec.engine_root is not None:
         return str(spec.engine_root / role_name)
-    return str(engine_dir(spec, role_name).absolute())
+    return str(spec.engine_dir(role_name).absolute())
 
 
 def model_name(spec: DeploymentSpec, x: InstanceRanks) -> str:
@@ -231,7 +216,8 @@ def _engine_config(spec: DeploymentSpec, role: RoleSpec, name: str, mine: list[I
         "cancellation_check_period_ms": str(CANCELLATION_CHECK_PERIOD_MS),
     }
     release = versions.release_of(spec)
-    return _templates().get_template("config.pbtxt.j2").render(
+    return render_template(
+        "config.pbtxt.j2",
         source=spec.source or spec.name,
         name=name,
         role=role,
@@ -270,15 +256,15 @@ def _environment_vars(spec: DeploymentSpec) -> list[tuple[str, str]]:
     return env
 
 
-def _models_here(spec: DeploymentSpec, node: str) -> list[str] | None:
+def _models_here(spec: DeploymentSpec, node: str, models: list[str]) -> list[str] | None:
     """What rank 0 on `node` loads: None (everything) on a single node; else this pool's engine models,
-    plus, in the first pool, every model of the repository that is not another pool's engine."""
+    plus, in the first pool, every model of the repository (`models`) that is not another pool's engine."""
     all_nodes = nodes(spec)
     if len(all_nodes) == 1:
         return None
     elsewhere = {m for r in _roles(spec) if r.node != node for m in role_models(spec, r.name)}
     if node == all_nodes[0]:
-        return [m.name for m in plan_models(spec) if m.name not in elsewhere]
+        return [m for m in models if m not in elsewhere]
     return [m for r in _roles(spec) if r.node == node for m in role_models(spec, r.name)]
 
 
@@ -295,13 +281,14 @@ def _connection(spec: DeploymentSpec, node: str) -> list[str]:
     return lines + [f"KV blocks move between pools over {spec.kv_transfer.backend.upper()} (TRTLLM_USE_*_KVCACHE)."]
 
 
-def _launch_script(spec: DeploymentSpec, node: str) -> str:
+def _launch_script(spec: DeploymentSpec, node: str, models: list[str]) -> str:
     layout = mpi_world(spec, node)
-    rank0_load = _models_here(spec, node)
+    rank0_load = _models_here(spec, node, models)
     segments = [_rank_argv(0, rank0_load)]
     segments += [_rank_argv(rank, [model_name(spec, x)]) for x in layout for rank in x.ranks]
     engines = {model_name(spec, x): gpt_model_path(spec, x.role) for x in layout}
-    return _templates().get_template("launch.sh.j2").render(
+    return render_template(
+        "launch.sh.j2",
         source=spec.source or spec.name,
         node=node,
         release=versions.release_of(spec),
@@ -316,10 +303,11 @@ def _launch_script(spec: DeploymentSpec, node: str) -> str:
     )
 
 
-def render_launch_script(spec: DeploymentSpec) -> dict[str, str]:
-    """File name -> bash script: `launch.sh` for one node, else `launch-<node>.sh` per node (pool)."""
+def render_launch_script(spec: DeploymentSpec, models: list[str]) -> dict[str, str]:
+    """File name -> bash script: `launch.sh` for one node, else `launch-<node>.sh` per node (pool);
+    `models` names every model of the repository."""
     check_spec(spec)
     all_nodes = nodes(spec)
     if len(all_nodes) == 1:
-        return {"launch.sh": _launch_script(spec, all_nodes[0])}
-    return {f"launch-{node}.sh": _launch_script(spec, node) for node in all_nodes}
+        return {"launch.sh": _launch_script(spec, all_nodes[0], models)}
+    return {f"launch-{node}.sh": _launch_script(spec, node, models) for node in all_nodes}
