@@ -175,6 +175,16 @@ def test_requests_that_end_in_the_context_phase_match_aggregated_and_keep_no_kv(
     assert not any(handoffs.values())
 
 
+def test_decode_serves_prompts_up_to_max_input_len(server, cpu_tiny_project):
+    """decode's max_num_tokens (32) is far below max_input_len (256): with chunked context it still takes
+    every prompt prefill takes, as TensorRT-LLM validates generation-only prompts by the same rule."""
+    prompt = "x" * 256
+    assert len(load_tokenizer(cpu_tiny_project / "build" / "checkpoints" / "tiny-llama").encode(prompt).ids) == 256
+    expected = stream(server.grpc_url, "aggregated", prompt, 8)
+    got = stream(server.grpc_url, "ensemble", prompt, 8)
+    assert got.chunks == expected.chunks and len(got.chunks) > 1
+
+
 def test_a_character_left_unfinished_is_flushed_by_the_final_response(server, cpu_tiny_project):
     """The orchestrator's final response carries no new tokens and is_final: postprocessing then lets the
     held-back bytes out as U+FFFD, so the streamed text equals tokenizer.decode (and the whole answer)."""
