@@ -190,6 +190,19 @@ def test_context_only_answers_once_with_its_token_and_params(instance, expected)
     assert prefill.agent.num_held == 1 and prefill.loop.stats().blocks_used == 3  # 40 tokens, 16 per block
 
 
+def test_a_stop_after_the_context_only_answer_finds_nothing_and_the_kv_stays_for_the_handoff(instance, expected):
+    """The backend drops a request's id when it sends the final response (handleStopRequest then finds
+    nothing): only a generation request taking the KV, or here the lease, frees it."""
+    prefill = instance("prefill")
+    request = generate("c3", 6, "context_only")
+    prefill.execute([request])
+    request.sender.until_final()
+    prefill.execute([ask := stop("c3")])
+    [(response, flags)] = ask.sender.until_final()
+    assert flags == FINAL and response.error is None
+    assert prefill.agent.num_held == 1 and prefill.loop.stats().blocks_used == 3
+
+
 @pytest.mark.parametrize("how", ["max_tokens_1", "first_token_is_end_id"])
 def test_context_only_that_ends_in_its_context_phase_is_an_error_and_keeps_no_kv(instance, expected, how):
     """The executor completes such a request before the cache transceiver sees it, so it has no params, and

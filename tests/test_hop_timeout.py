@@ -1,9 +1,12 @@
-"""A hop that does not answer in time: the client gets an error naming the hop when its timeout runs out,
-prefill's held KV is freed, and the server keeps serving (real tritonserver; `decode` is replaced by a
-model that answers only long after the orchestrator's timeout)."""
+"""A hop that does not answer in time: the client gets the first token at once and then an error naming
+the hop when its timeout runs out; the handoff no decode took is reclaimed when its lease runs out (a
+`stop` cannot free a context-only request that has answered, as with the tensorrtllm backend), and the
+server keeps serving (real tritonserver; `decode` is replaced by a model that answers only long after the
+orchestrator's timeout)."""
 from __future__ import annotations
 
 import contextlib
+import queue
 import time
 
 import pytest
@@ -11,11 +14,14 @@ import yaml
 
 from disagg.cli import main
 from disagg.serve.metrics import by_role, scrape
-from tools.stream_client import StreamError, stream
+import tritonclient.grpc as grpcclient
+
+from tools.stream_client import StreamError, build_inputs, stream
 
 pytestmark = pytest.mark.e2e
 
 DECODE_TIMEOUT_S = 1.0
+LEASE_S = 2.0
 
 SILENT_MODEL = '''
 import threading
@@ -45,6 +51,7 @@ def server(new_project, start_triton):
     spec_path = project / "configs" / "cpu-tiny.yaml"
     raw = yaml.safe_load(spec_path.read_text())
     raw["orchestrator"]["decode_timeout_s"] = DECODE_TIMEOUT_S
+    raw["kv_transfer"]["lease_seconds"] = LEASE_S
     spec_path.write_text(yaml.safe_dump(raw))
     with contextlib.chdir(project):
         assert main(["--config", "configs/cpu-tiny.yaml"]) == 0
@@ -54,19 +61,45 @@ def server(new_project, start_triton):
     s.stop()
 
 
-def test_a_silent_decode_times_out_with_the_hop_named_and_frees_prefill(server):
+def _prefill_freed(server) -> dict:
+    """Metrics once prefill's held handoff is reclaimed (its lease runs out), or after the deadline."""
+    deadline = time.monotonic() + LEASE_S + 5
+    while (metrics := by_role(scrape(server.metrics_url)))["disagg_kv_blocks_in_use"]["prefill"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return metrics
+
+
+def test_a_silent_decode_times_out_with_the_hop_named_and_prefill_is_reclaimed(server):
+    failed = by_role(scrape(server.metrics_url))["disagg_orchestrator_failures_total"]["orchestrator-disaggregated"]
     start = time.monotonic()
     with pytest.raises(StreamError, match=rf"decode: no response within {DECODE_TIMEOUT_S:g} s$") as err:
         stream(server.grpc_url, "ensemble", "Call me Ishmael.", 8, timeout_s=30)
     waited = time.monotonic() - start
     assert DECODE_TIMEOUT_S <= waited < DECODE_TIMEOUT_S + 1.0, waited  # the error comes before the cleanup
     assert str(err.value).startswith("in ensemble 'ensemble', ")
-    deadline = time.monotonic() + 5
-    while (used := by_role(scrape(server.metrics_url))["disagg_kv_blocks_in_use"])["prefill"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert used == {"prefill": 0, "aggregated": 0}  # the orchestrator's stop freed the held handoff
-    metrics = by_role(scrape(server.metrics_url))
-    assert metrics["disagg_orchestrator_failures_total"]["orchestrator-disaggregated"] == 1
+    metrics = _prefill_freed(server)
+    assert metrics["disagg_kv_blocks_in_use"] == {"prefill": 0, "aggregated": 0}
+    assert metrics["disagg_kv_handoff_reclaimed_total"]["prefill"] >= 1  # by the lease: no decode took it
+    assert metrics["disagg_orchestrator_failures_total"]["orchestrator-disaggregated"] == failed + 1
     assert stream(server.grpc_url, "aggregated", "Call me Ishmael.", 8).text  # the rest still serves
     log = server.log_path.read_text()
     assert f"failed: decode: no response within {DECODE_TIMEOUT_S:g} s" in log  # the operator sees it too
+
+
+def test_the_first_token_reaches_the_client_before_decode_answers(server):
+    expected_first = stream(server.grpc_url, "aggregated", "Call me Ishmael.", 8).chunks[0]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((time.monotonic(), result, error)))
+        sent = time.monotonic()
+        client.async_stream_infer("ensemble", build_inputs("Call me Ishmael.", 8), enable_empty_final_response=True)
+        arrived, first, error = responses.get(timeout=30)
+        assert error is None and first.as_numpy("text_output").reshape(-1)[0].decode() == expected_first
+        assert arrived - sent < DECODE_TIMEOUT_S  # decode has not answered (it never does in time)
+        _, _, error = responses.get(timeout=30)
+        assert error is not None and error.message().endswith(f"decode: no response within {DECODE_TIMEOUT_S:g} s")
+        client.stop_stream()
+    finally:
+        client.close()
+    assert _prefill_freed(server)["disagg_kv_blocks_in_use"]["prefill"] == 0

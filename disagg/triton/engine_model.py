@@ -243,18 +243,18 @@ class TritonPythonModel:
     def _stop(self, req_id: str, sender) -> None:
         """A `stop` request, answered as model_instance_state.cc handleStopRequest does: an error when it names
         no request, else one empty final response, whether or not `req_id` is in flight here (it may be done
-        already, or on another instance; nothing else is touched). A request in flight here is cancelled:
-        its KV is freed, held handoff included, and its stream ends with a final response (the executor
-        finishes a cancelled request like any other, with the tokens not yet returned)."""
+        already, or on another instance; nothing else is touched). A request whose stream is still open
+        here is cancelled: its KV is freed and its stream ends with a final response (the executor finishes
+        a cancelled request like any other). One whose final response is out is no longer known: the
+        backend drops a request's id when it sends that response, so a context-only request that answered
+        keeps its KV for the handoff until a generation request takes it (here: or its lease runs out)."""
         if not req_id:
             error = pb_utils.TritonError("Trying to stop a request but request ID is not provided")
             sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             return
         stream = self._forget(req_id)
-        self.loop.abort(req_id)
-        if self.agent is not None:
-            self.agent.drop(req_id)
         if stream is not None:
+            self.loop.abort(req_id)
             stream.respond((), final=True)
         sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
 

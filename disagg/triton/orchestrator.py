@@ -15,8 +15,10 @@ one request at a time and throws the context phase's token away, this one:
 - gives each hop a deadline (`prefill_timeout_s`, `decode_timeout_s`: longest wait for the next
   response) with an error that names the hop;
 - on client cancellation, a hop error or a timeout, sends `stop` for the request id to the engine
-  models it reached (a `stop` acts only on the instance it lands on), which frees its KV wherever it
-  is: running, queued, or held for the handoff.
+  models it reached (a `stop` acts only on the instance it lands on), which frees its KV where it is
+  still running or queued; a handoff that no decode was seen to take is drained (a generation request
+  takes it and stops after one token), since the backend cannot stop a context-only request that has
+  answered.
 Mode "aggregated" sends the request to one engine as context_and_generation through the same path,
 so the baseline pays the same front-end costs.
 
@@ -38,6 +40,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -56,10 +59,20 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
 _DONE = object()
 CANCEL_CHECK_S = 0.05
+STOP_TIMEOUT_S = 5.0  # for a `stop` or a drain: cleanup, never on a client's path
 
 
 class HopError(RuntimeError):
     pass
+
+
+@dataclass
+class Reached:
+    """Where a request went: the engine models it reached (for `stop`), and the `context_phase_params`
+    of a handoff that no generation request has been seen to take yet."""
+
+    models: list[str] = field(default_factory=list)
+    handoff: np.ndarray | None = None
 
 
 class Cancelled(Exception):
@@ -268,36 +281,42 @@ class TritonPythonModel:
         streaming = arrays.pop("streaming", None)
         client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]), flag.stream_id)
         inputs = {**rename_inputs(arrays, self.input_names), "streaming": _scalar(True, np.bool_)}
-        touched: list[str] = []  # engine models this request reached, for `stop`
+        reached = Reached()
 
         def cancelled() -> bool:
             return flag.is_raised() or sender.is_cancelled()
 
+        completed = False
         try:
-            if self.mode == "aggregated":
-                touched.append(self.engines[0])
-                self._context_and_generation(self.engines[0], inputs, request_id, client, cancelled, arrival)
-            else:
-                self._disaggregated(request_id, inputs, client, cancelled, arrival, touched)
-            client.finish()
-        except Cancelled:
-            self.cancels.increment(1)
-            self._stop(request_id, touched)
-            self._quietly(client.finish)
-        except HopError as exc:
-            message = str(exc)
-            self.failures.increment(1)
-            self._quietly(lambda: client.fail(message))  # first: a hung engine must not delay the error
-            with STUB_LOCK:
-                pb_utils.Logger.log_warn(f"{self.instance}: request {request_id} failed: {message}")
-            self._stop(request_id, touched)
+            try:
+                if self.mode == "aggregated":
+                    reached.models.append(self.engines[0])
+                    self._context_and_generation(self.engines[0], inputs, request_id, client, cancelled, arrival)
+                else:
+                    self._disaggregated(request_id, inputs, client, cancelled, arrival, reached)
+                client.finish()
+                completed = True
+            except Cancelled:
+                self.cancels.increment(1)
+                self._quietly(client.finish)
+            except HopError as exc:
+                message = str(exc)
+                self.failures.increment(1)
+                self._quietly(lambda: client.fail(message))  # first: a hung engine must not delay the error
+                with STUB_LOCK:
+                    pb_utils.Logger.log_warn(f"{self.instance}: request {request_id} failed: {message}")
+            finally:
+                flag.close()  # the client has its answer: nothing reads the flag any more
         finally:
-            flag.close()
-            self._track(-1)
+            try:
+                if not completed:  # after the answer: a hung engine may make this take STOP_TIMEOUT_S
+                    self._release(request_id, inputs, reached)
+            finally:
+                self._track(-1)
 
-    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float, touched: list[str]) -> None:
+    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float, reached: Reached) -> None:
         prefill = self._pick(self.prefills)
-        touched.append(prefill)
+        reached.models.append(prefill)
         try:
             if int(inputs["request_output_len"].reshape(-1)[0]) <= 1:  # the context phase is all of it
                 self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
@@ -319,19 +338,21 @@ class TritonPythonModel:
         params = next((p for _, p in reversed(context) if p is not None), None)
         if params is None or not tokens:
             raise HopError(f"{prefill}: context-only response without its first token and context_phase_params")
+        reached.handoff = params
         client.emit(tokens[:1])
         self.ttft.observe(time.monotonic() - arrival)
         with STUB_LOCK:
             if cancelled():
                 raise Cancelled()
         decode = self._pick(self.decoders)
-        touched.append(decode)
+        reached.models.append(decode)
         try:
             with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
                 # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds
                 # it; the reference engine does the same): the client already has it.
                 skip = 1
                 for ids, _ in hop.results(self.decode_timeout_s, cancelled):
+                    reached.handoff = None  # decode answers once it has the KV
                     client.emit(ids[skip:])
                     skip = max(0, skip - len(ids))
         finally:
@@ -356,6 +377,24 @@ class TritonPythonModel:
         with self._lock:
             self.dispatched[model] -= 1
 
+    def _release(self, request_id: str, inputs: dict[str, np.ndarray], reached: Reached) -> None:
+        """Frees what an ended request holds: `stop` where it went, and a handoff nobody took is drained."""
+        self._stop(request_id, reached.models)
+        if reached.handoff is not None:
+            self._quietly(lambda: self._drain(request_id, inputs, reached.handoff))
+
+    def _drain(self, request_id: str, inputs: dict[str, np.ndarray], params: np.ndarray) -> None:
+        """Has a decode instance take a handoff and stop after one token. The tensorrtllm backend forgets a
+        context-only request once it has answered, so a `stop` cannot free its KV: only a generation
+        request that takes it can (the reference engine would also reclaim it when its lease runs out)."""
+        decode = self._pick(self.decoders)
+        take = {**inputs, "request_output_len": _scalar(1, np.int32), "context_phase_params": params.reshape(1, -1)}
+        try:
+            with self._hop(decode, take, f"{request_id}-drain", "generation_only") as hop:
+                list(hop.results(STOP_TIMEOUT_S, lambda: False))
+        finally:
+            self._done(decode)
+
     def _stop(self, request_id: str, models: list[str]) -> None:
         """Sends `stop` for the request to each model it touched, which frees its KV there (held handoff
         included; a no-op where it is gone). A `stop` acts only on the instance it lands on, so every
@@ -368,7 +407,7 @@ class TritonPythonModel:
         for model in models:
             def send_stop(m=model):
                 with self._hop(m, stop, request_id, "context_and_generation") as hop:
-                    list(hop.results(5.0, lambda: False))
+                    list(hop.results(STOP_TIMEOUT_S, lambda: False))
 
             self._quietly(send_stop)
 
@@ -395,6 +434,7 @@ class TritonPythonModel:
             self.in_flight.set(self._count)
 
     def finalize(self):
+        cancel_board.remove_leftovers(self.board_key, self.instance)  # of requests cut short by the stop
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.closer.shutdown(wait=False)
         self.clients.close()
