@@ -92,13 +92,13 @@ def orchestration_overhead(requests: int, max_tokens: int) -> list[str]:
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.spec import load_spec
-    from disagg.text import load_tokenizer
+    from disagg.text import encode_prompt, load_tokenizer
 
     spec = load_spec("configs/cpu-tiny.yaml")
     build(spec, log=lambda _msg: None)
     tokenizer = load_tokenizer(spec.model.path)
     prompt = "It was the best of times, it was the worst of times, it was the age of wisdom"
-    ids = [0, *tokenizer.encode(prompt, add_special_tokens=False).ids]
+    ids = encode_prompt(tokenizer, prompt)  # as preprocessing tokenizes it
     paths = {
         "ensemble (disaggregated)": lambda s: s.call("ensemble", _text_inputs(prompt, max_tokens)),
         "prefill + decode, direct": lambda s: _direct_disaggregated(s, ids, max_tokens),
