@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from threadpoolctl import threadpool_limits
 
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.loop import EngineLoop
@@ -112,6 +113,11 @@ class Stream:
 
 class TritonPythonModel:
     def initialize(self, args):
+        # One BLAS thread per engine instance. OpenBLAS workers spin after every call: on a small machine
+        # they starved the server threads that forward this model's responses, and about one streamed
+        # answer in twenty reached the client all at once, at its end. The tiny per-step matmuls gain
+        # nothing from more threads.
+        self._blas = threadpool_limits(1, user_api="blas")
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(f"model {config['name']!r} must be decoupled (model_transaction_policy)")
