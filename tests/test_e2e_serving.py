@@ -9,6 +9,8 @@ import contextlib
 import http.client
 import json
 import queue
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -127,18 +129,23 @@ def test_16_concurrent_streams_complete_and_overlap(server):
 
 
 def test_streamed_tokens_arrive_as_they_are_made_not_in_one_burst(server, cpu_tiny_project):
-    """With OpenBLAS using both cores, its spinning workers starved the server threads that forward the
-    engine's responses: about 1 answer in 20 (7 of 160 here, through both ensembles and direct engine
-    calls) reached the client all at once when it ended. Engines now run BLAS on one thread (0 of 160)."""
+    """With OpenBLAS threads on both cores, their spinning after each step starved the server threads that
+    forward the engine's responses whenever a client kept the other core busy: under perf_analyzer
+    (concurrency 1) 58% of `ensemble` answers reached the client all at once, at their end. Engines now
+    run BLAS on one thread. A busy process stands in for the benchmark client's spinning."""
     never = _never_token(cpu_tiny_project)
-    bursts = []
-    for i in range(80):
-        model = ("ensemble", "aggregated")[i % 2]
-        r = stream(server.grpc_url, model, f"It was the best of times #{i}", 32, end_id=never)
-        tokens = r.timestamps[:-1]  # the final response follows the last token at once
-        assert len(tokens) == 32
-        if tokens[-1] - tokens[0] < 0.002:  # 31 gaps: a few ms at the least when streamed as made
-            bursts.append((model, i))
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+    try:
+        bursts = []
+        for i in range(40):
+            r = stream(server.grpc_url, "ensemble", f"It was the best of times #{i}", 32, end_id=never)
+            tokens = r.timestamps[:-1]  # the final response follows the last token at once
+            assert len(tokens) == 32
+            if tokens[-1] - tokens[0] < 0.002:  # 31 gaps: a few ms at the least when streamed as made
+                bursts.append(i)
+    finally:
+        busy.kill()
+        busy.wait()
     assert bursts == []
 
 
@@ -435,6 +442,59 @@ def test_http_stream_closed_by_the_client_is_cancelled(server, cpu_tiny_project)
         conn.close()
         assert _cancels_after(server, role, before) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
+
+
+def test_what_genai_perf_sends_is_served_alike_by_both_ensembles(server, cpu_tiny_project):
+    """genai-perf 0.0.16 (`--backend tensorrtllm`, gRPC streaming) sends text_input, max_tokens,
+    exclude_input_in_output=true, stream=true and, for deterministic lengths, min_length: both ensembles
+    declare them (Triton refuses an undeclared input) and give the same tokens. With end_id set to the
+    greedy first token the answer would be empty; min_length keeps end_id out for that many tokens, as
+    TensorRT-LLM's min-length penalty does, and the engine model reads min_tokens as the tensorrtllm one."""
+    tokenizer = load_tokenizer(cpu_tiny_project / "build" / "checkpoints" / "tiny-llama")
+    prompt = PROMPTS[0]
+    ids = tokenizer.encode(prompt).ids
+    first = int(call_engine(server, "aggregated_engine", engine_inputs(ids, b"")[:3], "context_and_generation")[0][0].as_numpy("output_ids").reshape(-1)[0])
+    genai_perf = dict(exclude_input_in_output=True, min_length=5)
+    plain = stream(server.grpc_url, "aggregated", prompt, 16)
+    for model in ("ensemble", "aggregated"):
+        assert stream(server.grpc_url, model, prompt, 16, **genai_perf).chunks == plain.chunks  # no end_id: 16 tokens
+        assert stream(server.grpc_url, model, prompt, 16, exclude_input_in_output=True, end_id=first).text == ""
+    direct = call_engine(server, "aggregated_engine", engine_inputs(ids, b"")[:2] + [
+        _engine_tensor("request_output_len", [[16]], "INT32", np.int32), _engine_tensor("end_id", [[first]], "INT32", np.int32),
+        _engine_tensor("min_tokens", [[5]], "INT32", np.int32), _engine_tensor("streaming", [[True]], "BOOL", bool),
+    ], "context_and_generation")
+    tokens = [t for result, error in direct if error is None and result.as_numpy("output_ids") is not None
+              for t in result.as_numpy("output_ids").reshape(-1).tolist()]
+    assert len(tokens) >= 5 and first not in tokens
+    expected = stream(server.grpc_url, "aggregated", prompt, 16, end_id=first, **genai_perf)
+    got = stream(server.grpc_url, "ensemble", prompt, 16, end_id=first, **genai_perf)
+    assert got.chunks == expected.chunks and len(got.chunks) - 1 == len(tokens)  # a token per response, then the final
+    assert got.text == tokenizer.decode(tokens)
+    assert stream(server.grpc_url, "ensemble", prompt, 16, end_id=first, min_tokens=5).chunks == got.chunks  # the new name
+    # exclude_input_in_output=false: a non-streamed answer starts with the prompt (the tensorrtllm backend returns
+    # the input tokens then); a streamed one never carries it
+    whole = stream(server.grpc_url, "aggregated", prompt, 16, streaming=False).text
+    for model in ("ensemble", "aggregated"):
+        echoed = stream(server.grpc_url, model, prompt, 16, streaming=False, exclude_input_in_output=False).text
+        assert echoed == tokenizer.decode(ids + tokenizer.encode(whole).ids) and echoed == prompt + whole
+        assert stream(server.grpc_url, model, prompt, 16, exclude_input_in_output=False).chunks == plain.chunks
+    status, body = http_post(f"http://{server.http_url}/v2/models/ensemble/generate", {"text_input": prompt, "max_tokens": 16, "exclude_input_in_output": False})
+    assert status == 200 and json.loads(body)["text_output"] == prompt + whole
+    # refused by name, never ignored
+    status, body = http_post(f"http://{server.http_url}/v2/models/aggregated/generate", {"text_input": prompt, "max_tokens": 4, "min_length": 5})
+    assert status == 400 and "min_length: 5 is over max_tokens=4" in body, body
+    status, body = http_post(f"http://{server.http_url}/v2/models/ensemble/generate", {"text_input": prompt, "max_tokens": 4, "repetition_penalty": 1.3})
+    assert status == 400 and "repetition_penalty: 1.3 is not supported by this deployment" in body, body
+    words = grpcclient.InferInput("stop_words", [1, 1], "BYTES")
+    words.set_data_from_numpy(np.array([[b"times"]], dtype=object))
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    errors: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: errors.put(error))
+    client.async_stream_infer("ensemble", [*build_inputs(prompt, 4), words], enable_empty_final_response=True)
+    error = errors.get(timeout=30)
+    client.stop_stream()
+    assert error is not None and "stop_words: not supported by this deployment (got 1 word(s)" in error.message()
+    assert wait_kv_zero(server) == {role: 0 for role in wait_kv_zero(server)}
 
 
 def test_metrics_after_the_suite(server):

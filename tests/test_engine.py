@@ -1,6 +1,8 @@
 """Reference engine oracles: disaggregated == aggregated, sharded == unsharded, batched == alone."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from engine_helpers import LIMITS, EngineFactory
@@ -8,7 +10,7 @@ from engine_helpers import LIMITS, EngineFactory
 from disagg.engine.engine import ContextPhase, Request, RequestError, StepOutput
 from disagg.engine.kv_cache import KVCacheFullError
 from disagg.engine.kv_wire import SequenceKV
-from disagg.engine.sampling import SamplingParams
+from disagg.engine.sampling import SamplingParams, mask_end_id
 
 GRID = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -119,6 +121,48 @@ def test_end_id_stops_generation(factory):
     assert engine.blocks.num_used == 0
 
 
+def test_min_tokens_keeps_end_id_out_until_that_many_tokens_in_every_deployment(factory):
+    """TensorRT-LLM's min length (penaltyKernels.cu batchApplyPenalty): end_id's logit is masked while fewer
+    than min_tokens new tokens exist. Here end_id is the greedy first token, so without min_tokens the answer
+    is empty. A generation-only request counts the context phase's token as generated: off by one, decode
+    would mask one step too many and the disaggregated answer would run longer."""
+    agg, prefill, decode = factory.engine(), factory.engine(role="prefill"), factory.engine(2, 1, role="decode")
+    p = prompts(5, seed=3)[3]
+    end_id = agg.generate([Request("g", p, 24)])["g"][0]
+    assert agg.generate([Request("e", p, 24, end_id=end_id)])["e"] == []
+    answers = {}
+    for m in range(12):
+        got = agg.generate([Request(f"m{m}", p, 24, sampling=SamplingParams(min_tokens=m), end_id=end_id)])[f"m{m}"]
+        assert len(got) >= m and end_id not in got
+        assert disaggregated(prefill, decode, f"d{m}", p, 24, SamplingParams(min_tokens=m), end_id) == got, m
+        answers[m] = got
+    assert len(answers[5]) >= 5
+    # end_id ends the answer as soon as the mask lifts where greedy picks it: a longer minimum only extends it
+    ended = [m for m, got in answers.items() if len(got) < 24]
+    assert any(len(answers[m]) == m for m in ended if m > 0)
+    for m in ended:
+        longer = answers.get(len(answers[m]) + 1)
+        if longer is not None:
+            assert len(longer) > len(answers[m]) and longer[: len(answers[m])] == answers[m]
+    # per request: batched with requests that have none, each gets what it gets alone
+    batch = [Request("b5", p, 24, sampling=SamplingParams(min_tokens=5), end_id=end_id), Request("b0", p, 24, end_id=end_id)]
+    assert agg.generate(batch) == {"b5": answers[5], "b0": []}
+    sampled = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=5, min_tokens=3)
+    free = agg.generate([Request("s", p, 24, sampling=dataclasses.replace(sampled, min_tokens=0))])["s"]
+    got = agg.generate([Request("s3", p, 24, sampling=sampled, end_id=free[1])])["s3"]
+    assert len(got) >= 3 and disaggregated(prefill, decode, "ds3", p, 24, sampled, free[1]) == got
+    for engine in (agg, prefill, decode):
+        assert engine.blocks.num_used == 0
+
+
+def test_mask_end_id_is_the_min_length_penalty():
+    logits = np.array([0.0, 5.0, 1.0], dtype=np.float32)
+    assert mask_end_id(logits, 1, generated=2, min_tokens=3)[1] == -np.inf  # 2 of 3: still masked
+    assert mask_end_id(logits, 1, generated=3, min_tokens=3) is logits  # the 4th token may be end_id
+    assert mask_end_id(logits, None, generated=0, min_tokens=3) is logits  # no end_id, nothing to mask
+    assert logits[1] == 5.0  # the engine's logits are not written
+
+
 def test_kv_pool_returns_to_zero_after_aborts(factory):
     engine = factory.engine(limits=LIMITS)
     ps = prompts(6, seed=2)
@@ -163,6 +207,7 @@ def test_waiting_requests_queue_until_blocks_free(factory):
         (dict(request_type="generation_only"), "context_phase_params: required for a generation_only request"),
         (dict(sampling=SamplingParams(top_p=1.5)), r"runtime_top_p: 1.5 must be in \[0, 1\]"),
         (dict(end_id=-1), "end_id: -1 outside the vocabulary"),
+        (dict(sampling=SamplingParams(min_tokens=-1)), "min_tokens: -1 must be >= 0"),
     ],
 )
 def test_bad_requests_are_refused_with_the_field_named(factory, request_kwargs, message):

@@ -43,12 +43,56 @@ def test_prompt_is_tokenized_as_the_tokenizer_says_with_default_ids(pre):
         (b"x" * 200, 200, {}, "max_tokens: 200 with a 200-token prompt is over max_seq_len=320 (at most 120 here)"),
         (b"hello", 8, {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511)"),
         (b"hello", 8, {"pad_id": -1}, "pad_id: -1 is outside the vocabulary (0..511)"),
+        (b"hello", 8, {"min_tokens": 9}, "min_tokens: 9 is over max_tokens=8"),
+        (b"hello", 8, {"min_length": 9}, "min_length: 9 is over max_tokens=8"),
+        (b"hello", 8, {"min_tokens": -1}, "min_tokens: -1 must be >= 0"),
+        (b"hello", 8, {"min_tokens": 3, "min_length": 4},
+         "min_length: 4 differs from min_tokens=3 (min_length is the older name of min_tokens; send one)"),
+        (b"hello", 8, {"seed": 1, "random_seed": 2},
+         "random_seed: 2 differs from seed=1 (random_seed is the older name of seed; send one)"),
+        (b"hello", 8, {"length_penalty": -1.0}, "length_penalty: -1.0 must be >= 0"),
+        (b"hello", 8, {"repetition_penalty": np.float32(1.2).item()},
+         "repetition_penalty: 1.2 is not supported by this deployment (only 1: no penalty; the reference engine applies none)"),
+        (b"hello", 8, {"presence_penalty": 0.5},
+         "presence_penalty: 0.5 is not supported by this deployment (only 0: no penalty; the reference engine applies none)"),
+        (b"hello", 8, {"frequency_penalty": -0.5},
+         "frequency_penalty: -0.5 is not supported by this deployment (only 0: no penalty; the reference engine applies none)"),
+        (b"hello", 8, {"beam_width": 4},
+         "beam_width: 4 is not supported by this deployment (only 1: disaggregated serving decodes with beam width 1)"),
+        (b"hello", 8, {"num_return_sequences": 2},
+         "num_return_sequences: 2 is not supported by this deployment (only 1: one sequence per request)"),
+        (b"hello", 8, {"return_log_probs": True},
+         "return_log_probs: true is not supported by this deployment (only false: the ensemble has no cum_log_probs/output_log_probs outputs)"),
+        (b"hello", 8, {"return_perf_metrics": True},
+         "return_perf_metrics: true is not supported by this deployment (only false: the ensemble has no kv_cache_*/*_time_ns outputs)"),
+        (b"hello", 8, {"return_kv_cache_reuse_stats": True},
+         "return_kv_cache_reuse_stats: true is not supported by this deployment (only false: the ensemble has no kv_cache_* outputs)"),
+        (b"hello", 8, {"stop_words": [b"", b"world"]},
+         "stop_words: not supported by this deployment (got 1 word(s); only an empty list is accepted)"),
+        (b"hello", 8, {"bad_words": [b"x", b"y"]},
+         "bad_words: not supported by this deployment (got 2 word(s); only an empty list is accepted)"),
     ],
 )
 def test_bad_inputs_name_the_field_and_the_limit(pre, query, max_tokens, extra, message):
     with pytest.raises(InputError) as err:
         pre.prepare(query, max_tokens, **extra)
     assert str(err.value) == message
+
+
+def test_upstream_ensemble_inputs_that_ask_for_nothing_or_for_min_tokens_are_accepted(pre):
+    default = pre.prepare(b"hello", 8)
+    assert (default.min_tokens, default.seed) == (0, 0)  # 0: no minimum; TensorRT-LLM's default seed
+    assert pre.prepare(b"hello", 8, min_tokens=8).min_tokens == 8  # up to max_tokens
+    assert pre.prepare(b"hello", 8, min_length=5).min_tokens == 5  # the older name, same meaning
+    assert pre.prepare(b"hello", 8, min_tokens=5, min_length=5).min_tokens == 5
+    assert pre.prepare(b"hello", 8, random_seed=2**64 - 1).seed == 2**64 - 1
+    nothing = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, beam_width=1, num_return_sequences=1,
+                   return_log_probs=False, return_context_logits=False, return_generation_logits=False,
+                   return_perf_metrics=False, return_kv_cache_reuse_stats=False, stop_words=[b""], bad_words=[])
+    accepted = pre.prepare(b"hello", 8, length_penalty=1.0, **nothing)
+    assert accepted.input_ids.tolist() == default.input_ids.tolist() and accepted.min_tokens == 0
+    with pytest.raises(TypeError, match="unknown option"):
+        pre.prepare(b"hello", 8, ignore_eos=True)
 
 
 def test_postprocessing_emits_only_new_text_and_whole_sequences_decode_fully(tiny_checkpoint):

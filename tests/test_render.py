@@ -100,7 +100,7 @@ def test_orchestrators_and_front_parameters(repo):
     # Scalars arrive as [batch, 1] and go to the engines unchanged (no reshape here, unlike the engines).
     assert {t.name for t in cfg.input} == {
         "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "streaming", "temperature",
-        "runtime_top_k", "runtime_top_p", "seed",
+        "runtime_top_k", "runtime_top_p", "seed", "min_tokens", "exclude_input_in_output",
     }
     assert not any(t.HasField("reshape") for t in cfg.input)
     assert params(config(repo, "preprocessing")) == {
@@ -112,23 +112,61 @@ def test_orchestrators_and_front_parameters(repo):
     }
 
 
+# The text-LLM inputs of upstream's ensemble (tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/
+# config.pbtxt) with their types, read at v0.17.0 and v0.19.0 (old names) and at commit c2e65b8 (new names);
+# left out: decoder_text_input (encoder-decoder), prompt_*, embedding_bias_*, lora_*, guided_decoding_*.
+UPSTREAM_ENSEMBLE_INPUTS = {
+    "text_input": "STRING", "max_tokens": "INT32", "num_return_sequences": "INT32", "bad_words": "STRING",
+    "stop_words": "STRING", "exclude_input_in_output": "BOOL", "end_id": "INT32", "pad_id": "INT32", "top_k": "INT32",
+    "top_p": "FP32", "temperature": "FP32", "length_penalty": "FP32", "repetition_penalty": "FP32",
+    "presence_penalty": "FP32", "frequency_penalty": "FP32", "return_log_probs": "BOOL", "return_context_logits": "BOOL",
+    "return_generation_logits": "BOOL", "beam_width": "INT32", "stream": "BOOL",
+    "min_length": "INT32", "random_seed": "UINT64", "return_kv_cache_reuse_stats": "BOOL",  # v0.17.0 (v0.19.0: return_perf_metrics)
+    "min_tokens": "INT32", "seed": "UINT64", "return_perf_metrics": "BOOL",  # c2e65b8 on
+}  # fmt: skip
+
+
+def test_ensembles_declare_upstreams_inputs_and_each_reaches_a_model(repo):
+    """perf_analyzer / genai-perf refuse an input the model does not declare; one declared but mapped to no
+    step would be silently ignored."""
+    for ensemble in ("ensemble", "aggregated"):
+        cfg = config(repo, ensemble)
+        declared = {t.name: model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_") for t in cfg.input}
+        assert declared == UPSTREAM_ENSEMBLE_INPUTS
+        assert {t.name for t in cfg.input if not t.optional} == {"text_input", "max_tokens"}
+        assert {n: list(t.dims) for n, t in ((t.name, t) for t in cfg.input) if n in ("stop_words", "bad_words")} == {
+            "stop_words": [-1], "bad_words": [-1]}
+        mapped = {value for step in cfg.ensemble_scheduling.step for value in step.input_map.values()}
+        assert set(declared) <= mapped
+        for step in cfg.ensemble_scheduling.step:  # each goes to an input of that type the step's model declares
+            inputs = {t.name: model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_") for t in config(repo, step.model_name).input}
+            for key, value in step.input_map.items():
+                assert key in inputs, (step.model_name, key)
+                assert value not in declared or inputs[key] == declared[value], (step.model_name, key)
+
+
 def test_ensembles_wire_preprocessing_orchestrator_postprocessing(repo):
+    checked = ("num_return_sequences", "length_penalty", "repetition_penalty", "min_tokens", "min_length", "presence_penalty",
+               "frequency_penalty", "seed", "random_seed", "return_log_probs", "return_context_logits", "return_generation_logits",
+               "return_perf_metrics", "return_kv_cache_reuse_stats", "beam_width")
     for ensemble, orchestrator in (("ensemble", "disagg_orchestrator"), ("aggregated", "aggregated_orchestrator")):
         cfg = config(repo, ensemble)
-        assert {t.name for t in cfg.input if not t.optional} == {"text_input", "max_tokens"}
-        assert {t.name for t in cfg.input if t.optional} == {"stream", "temperature", "top_k", "top_p", "end_id", "pad_id", "seed"}
         assert [t.name for t in cfg.output] == ["text_output"] and cfg.max_batch_size > 0
         steps = [(s.model_name, dict(s.input_map), dict(s.output_map)) for s in cfg.ensemble_scheduling.step]
         assert [s[0] for s in steps] == ["preprocessing", orchestrator, "postprocessing"]
-        assert steps[0][1] == {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "END_ID": "end_id", "PAD_ID": "pad_id"}
+        assert steps[0][1] == {
+            "QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "END_ID": "end_id", "PAD_ID": "pad_id",
+            **{name.upper(): name for name in checked}, "STOP_WORDS_DICT": "stop_words", "BAD_WORDS_DICT": "bad_words",
+        }
         assert steps[1][1] == {
             "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN", "request_output_len": "_REQUEST_OUTPUT_LEN",
             "end_id": "_END_ID", "pad_id": "_PAD_ID", "streaming": "stream", "temperature": "temperature",
-            "runtime_top_k": "top_k", "runtime_top_p": "top_p", "seed": "seed",
+            "runtime_top_k": "top_k", "runtime_top_p": "top_p", "seed": "_SEED", "min_tokens": "_MIN_TOKENS",
+            "exclude_input_in_output": "exclude_input_in_output",
         }
         assert steps[0][2] == {
             "INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
-            "OUT_END_ID": "_END_ID", "OUT_PAD_ID": "_PAD_ID",
+            "OUT_END_ID": "_END_ID", "OUT_PAD_ID": "_PAD_ID", "OUT_MIN_TOKENS": "_MIN_TOKENS", "OUT_SEED": "_SEED",
         }
         tokens = {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH", "PREFIX_LENGTH": "_PREFIX_LENGTH",
                   "IS_FINAL": "_IS_FINAL", "STREAM_ID": "_STREAM_ID"}

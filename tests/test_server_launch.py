@@ -97,11 +97,13 @@ def test_optional_inputs_reach_the_orchestrator_only_when_sent(server):
     with pytest.raises(StreamError) as bare:
         stream(server.grpc_url, "ensemble", "hi", max_tokens=1)
     with pytest.raises(StreamError) as full:
-        stream(server.grpc_url, "ensemble", "hi", max_tokens=1, temperature=0.5, top_k=5, top_p=0.9, seed=3)
-    always = "end_id input_ids input_lengths pad_id request_output_len"
+        stream(server.grpc_url, "ensemble", "hi", max_tokens=1, temperature=0.5, top_k=5, top_p=0.9, seed=3,
+               exclude_input_in_output=True)
+    # preprocessing always sends end_id, pad_id, min_tokens (0: no minimum) and seed (0: TensorRT-LLM's default)
+    always = "end_id input_ids input_lengths min_tokens pad_id request_output_len seed"
     assert bare.value.args[0].endswith(f"echo received: {always} streaming")
     assert full.value.args[0].endswith(
-        "echo received: end_id input_ids input_lengths pad_id request_output_len "
+        "echo received: end_id exclude_input_in_output input_ids input_lengths min_tokens pad_id request_output_len "
         "runtime_top_k runtime_top_p seed streaming temperature"
     )
 
@@ -115,6 +117,10 @@ def test_optional_inputs_reach_the_orchestrator_only_when_sent(server):
         ("hello", {"max_tokens": 0}, "max_tokens: 0 must be >= 1"),
         ("hello", {"max_tokens": 5000}, "max_tokens: 5000 is over the limit 319"),
         ("hello", {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511)"),
+        ("hello", {"min_length": 9}, "min_length: 9 is over max_tokens=8"),
+        ("hello", {"min_tokens": -2}, "min_tokens: -2 must be >= 0"),
+        ("hello", {"min_tokens": 2, "min_length": 3},
+         "min_length: 3 differs from min_tokens=2 (min_length is the older name of min_tokens; send one)"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server, prompt, kwargs, message):

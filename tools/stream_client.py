@@ -23,14 +23,19 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-# Optional ensemble inputs: name -> (Triton type, numpy type).
+# Optional ensemble inputs: name -> (Triton type, numpy type). The ensembles declare more (upstream's set,
+# see templates/python/ensemble.pbtxt.j2); these are the scalars a client here may send.
 SAMPLING_INPUTS = {
     "temperature": ("FP32", np.float32),
     "top_k": ("INT32", np.int32),
     "top_p": ("FP32", np.float32),
     "seed": ("UINT64", np.uint64),
+    "random_seed": ("UINT64", np.uint64),  # seed's name in upstream's ensemble up to v0.19.0
     "end_id": ("INT32", np.int32),
     "pad_id": ("INT32", np.int32),
+    "min_tokens": ("INT32", np.int32),  # end_id cannot end the answer before this many tokens
+    "min_length": ("INT32", np.int32),  # min_tokens' older name (genai-perf --output-tokens-mean-deterministic)
+    "exclude_input_in_output": ("BOOL", bool),  # false: a non-streamed answer starts with the prompt
 }
 
 
@@ -128,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, help="nucleus sampling threshold")
     p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--min-tokens", type=int, help="no end_id before this many new tokens")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the final response")
     a = p.parse_args(argv)
     try:
         r = stream(
             a.url, a.model, a.prompt, a.max_tokens, timeout_s=a.timeout,
             on_text=lambda t: print(t, end="", flush=True),
-            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, min_tokens=a.min_tokens,
         )
     except (StreamError, TimeoutError, InferenceServerException) as exc:
         print(f"\nerror: {exc}")

@@ -16,6 +16,10 @@ Request types follow TensorRT-LLM's executor:
   The KV is copied in at admission, or, for a direct handoff, by the caller between `begin_import`
   (which reserves the blocks when the request could be admitted right away) and `finish_import`.
 
+A request's `sampling.min_tokens` keeps end_id from being drawn while fewer new tokens than that exist
+(`sampling.mask_end_id`, TensorRT-LLM's min-length penalty); a generation-only request counts the context
+phase's token among them, so disaggregated and aggregated give the same tokens.
+
 Every result carries the tokens not returned before, as llmRequest.cpp createResult returns those past
 `getMaxSentTokenLen()`, which starts at the prompt length (llmRequest.h `mMaxSentTokenLen(mPromptLen)`).
 
@@ -40,7 +44,7 @@ from disagg.engine.kv_cache import BlockManager, KVShape, KVStorage, blocks_for
 from disagg.engine.kv_wire import KVLayout, SequenceKV
 from disagg.engine.llama import LlamaModel, StepInput
 from disagg.engine.paged_kv import PagedKV
-from disagg.engine.sampling import SamplingParams, sample
+from disagg.engine.sampling import SamplingParams, mask_end_id, sample
 from disagg.engine.weights import read_rank
 
 # What the tensorrtllm backend answers for a prompt over the engine's maximum input length, any request
@@ -346,7 +350,9 @@ class LLMEngine:
         for (seq, end), row in zip(work, logits):
             seq.num_cached = end
             if end == len(seq.tokens):  # a decode, or a prompt's last chunk: only these logits are sampled
-                outputs.append(self._advance(seq, sample(row, seq.request.sampling, end), now))
+                req = seq.request
+                row = mask_end_id(row, req.end_id, seq.num_generated, req.sampling.min_tokens)
+                outputs.append(self._advance(seq, sample(row, req.sampling, end), now))
         return outputs
 
     def _advance(self, seq: Sequence, token: int, now: int) -> StepOutput:

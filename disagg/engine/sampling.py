@@ -1,4 +1,4 @@
-"""Token selection: greedy, or seeded temperature / top-k / top-p sampling.
+"""Token selection: greedy, or seeded temperature / top-k / top-p sampling, after the min-tokens mask.
 
 The random stream is derived from (seed, position), not from a generator that advances per call,
 so a request sampled partly on a prefill engine and partly on a decode engine draws exactly the
@@ -13,12 +13,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """TensorRT-LLM's conventions: top_k=0 and top_p=0 (the defaults) mean greedy."""
+    """TensorRT-LLM's conventions: top_k=0 and top_p=0 (the defaults) mean greedy. `min_tokens`: end_id
+    cannot be drawn while fewer new tokens than that have been generated (`mask_end_id`)."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 0.0
     seed: int = 0
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -33,6 +35,21 @@ class SamplingParams:
             raise ValueError(f"runtime_top_p: {self.top_p} must be in [0, 1]")
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed: {self.seed} must fit in uint64")
+        if self.min_tokens < 0:  # executor SamplingConfig::checkMinTokens
+            raise ValueError(f"min_tokens: {self.min_tokens} must be >= 0")
+
+
+def mask_end_id(logits: np.ndarray, end_id: int | None, generated: int, min_tokens: int) -> np.ndarray:
+    """TensorRT-LLM's min-length penalty (kernels/penaltyKernels.cu `batchApplyPenalty`): while the request
+    has generated fewer than `min_tokens` new tokens (`currentStep - inputLen < minLength`, sequence length
+    minus prompt length), end_id's logit is set to the lowest value, so end_id cannot end it yet. A
+    generation-only request counts the context phase's token among its generated ones, as there its
+    sequence already holds that token. Returns `logits` itself when nothing is masked, else a copy."""
+    if end_id is None or generated >= min_tokens:
+        return logits
+    masked = logits.copy()
+    masked[end_id] = -np.inf
+    return masked
 
 
 def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:

@@ -5,7 +5,10 @@ tensors with the same name, type and shape, and both must be decoupled: tests/te
 the rendered configs of both backends against this list.
 """
 # Request tensors forwarded unchanged from the orchestrator's own inputs.
-FORWARDED_INPUTS = ("input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "temperature", "runtime_top_k", "runtime_top_p", "seed")
+FORWARDED_INPUTS = (
+    "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "temperature", "runtime_top_k", "runtime_top_p",
+    "seed", "min_tokens",
+)
 # Tensors the orchestrator sets itself: streaming (always on towards engines), the handoff, cancellation.
 SET_INPUTS = ("streaming", "context_phase_params", "stop")
 OUTPUTS_READ = ("output_ids", "context_phase_params")

@@ -60,6 +60,9 @@ PREFIX_TOKENS = 4
 _DONE = object()
 CANCEL_CHECK_S = 0.05
 STOP_TIMEOUT_S = 5.0  # for a `stop` or a drain: cleanup, never on a client's path
+# Inputs the orchestrator reads for itself, not forwarded: the client's `stream`, and `exclude_input_in_output`
+# (engines always stream to the orchestrator, so the prompt is put before a non-streamed answer here).
+OWN_INPUTS = ("streaming", "exclude_input_in_output")
 
 
 class HopError(RuntimeError):
@@ -269,7 +272,7 @@ class TritonPythonModel:
     def _accept(self, requests) -> None:
         for request in requests:
             # Inputs are copied here: a request's tensors are released once execute returns.
-            tensors = {n: pb_utils.get_input_tensor_by_name(request, n) for n in (*FORWARDED_INPUTS, "streaming")}
+            tensors = {n: pb_utils.get_input_tensor_by_name(request, n) for n in (*FORWARDED_INPUTS, *OWN_INPUTS)}
             arrays = {n: t.as_numpy().copy() for n, t in tensors.items() if t is not None}
             del tensors
             self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
@@ -280,6 +283,13 @@ class TritonPythonModel:
         flag = cancel_board.CancelFlag(self.board_key, self.instance, request_id)
         streaming = arrays.pop("streaming", None)
         client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]), flag.stream_id)
+        exclude = arrays.pop("exclude_input_in_output", None)
+        if exclude is not None and not exclude.reshape(-1)[0] and not client.streaming:
+            # As the tensorrtllm backend: a non-streamed answer then starts with the prompt's tokens (TB
+            # model_instance_state.cc: "initial tokens sent by the executor are the input tokens IF NOT
+            # Streaming"); a streamed one never has them (TL llmRequest.cpp createResult counts streamed
+            # tokens from getMaxSentTokenLen(), which starts at the prompt length).
+            client.emit(arrays["input_ids"].reshape(-1)[: int(arrays["input_lengths"].reshape(-1)[0])].tolist())
         inputs = {**rename_inputs(arrays, self.input_names), "streaming": _scalar(True, np.bool_)}
         reached = Reached()
 

@@ -10,9 +10,19 @@ importing transformers; the spec's `model.add_special_tokens` renders the parame
 A bad request gets a Triton error naming the public field and the limit (`text_input: empty prompt`,
 `max_tokens: 5000 is over the limit 319`); it never fails the other requests of the batch. Limits come
 from the model's parameters, which render.py fills from the deployment spec's roles.
+
+The ensembles declare the optional inputs of upstream's `ensemble` (all_models/inflight_batcher_llm/
+ensemble/config.pbtxt, v0.17.0-v0.19.0 and after commit c2e65b8, which renamed `min_length`/`random_seed`
+to `min_tokens`/`seed`), since clients such as genai-perf send them and Triton refuses an input a model
+does not declare. Each is honoured or refused here by name, never ignored: `min_tokens`/`min_length` and
+`seed`/`random_seed` (either name, same meaning) go on to the engines; `length_penalty` is accepted and,
+as in TensorRT-LLM at beam width 1, changes nothing (only its beam search reads it); the inputs in
+ONLY_DEFAULT are refused unless they hold the value that asks for nothing, `stop_words`/`bad_words`
+unless empty. (`exclude_input_in_output` and `stream` go to the orchestrator.)
 """
 from __future__ import annotations
 
+import math
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +51,26 @@ class Prepared:
     output_len: int
     end_id: int
     pad_id: int
+    min_tokens: int = 0  # end_id cannot end the request before this many new tokens (0: no minimum)
+    seed: int = 0  # TensorRT-LLM's default seed (layers/defaultDecodingParams.h getSeed)
+
+
+# Upstream ensemble inputs accepted only at the value that asks for nothing: field -> (tensor, that value, why).
+ONLY_DEFAULT = {
+    "repetition_penalty": ("REPETITION_PENALTY", 1.0, "no penalty; the reference engine applies none"),
+    "presence_penalty": ("PRESENCE_PENALTY", 0.0, "no penalty; the reference engine applies none"),
+    "frequency_penalty": ("FREQUENCY_PENALTY", 0.0, "no penalty; the reference engine applies none"),
+    "beam_width": ("BEAM_WIDTH", 1, "disaggregated serving decodes with beam width 1"),
+    "num_return_sequences": ("NUM_RETURN_SEQUENCES", 1, "one sequence per request"),
+    "return_log_probs": ("RETURN_LOG_PROBS", False, "the ensemble has no cum_log_probs/output_log_probs outputs"),
+    "return_context_logits": ("RETURN_CONTEXT_LOGITS", False, "the ensemble has no context_logits output"),
+    "return_generation_logits": ("RETURN_GENERATION_LOGITS", False, "the ensemble has no generation_logits output"),
+    "return_perf_metrics": ("RETURN_PERF_METRICS", False, "the ensemble has no kv_cache_*/*_time_ns outputs"),
+    "return_kv_cache_reuse_stats": ("RETURN_KV_CACHE_REUSE_STATS", False, "the ensemble has no kv_cache_* outputs"),
+}
+WORD_LISTS = {"stop_words": "STOP_WORDS_DICT", "bad_words": "BAD_WORDS_DICT"}
+# The older names upstream's ensemble had up to tensorrtllm_backend v0.19.0 (renamed in commit c2e65b8).
+OLDER_NAMES = {"min_tokens": "min_length", "seed": "random_seed"}
 
 
 def decode_prompt(raw: bytes) -> str:
@@ -79,6 +109,56 @@ def check_token_id(field: str, value: int, vocab_size: int) -> None:
         raise InputError(f"{field}: {value} is outside the vocabulary (0..{vocab_size - 1})")
 
 
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def either_name(name: str, value, old_value):
+    """The value of an input upstream renamed (`min_tokens`, formerly `min_length`), sent under either name;
+    both may be sent only with the same value."""
+    old = OLDER_NAMES[name]
+    if value is not None and old_value is not None and value != old_value:
+        raise InputError(f"{old}: {old_value} differs from {name}={value} ({old} is the older name of {name}; send one)")
+    if value is not None:
+        return name, value
+    return old, old_value
+
+
+def check_min_tokens(field: str, value: int, max_tokens: int) -> None:
+    if value < 0:
+        raise InputError(f"{field}: {value} must be >= 0")
+    if value > max_tokens:
+        raise InputError(f"{field}: {value} is over max_tokens={max_tokens}")
+
+
+def check_seed(field: str, value: int) -> None:
+    if not 0 <= value < 2**64:
+        raise InputError(f"{field}: {value} must fit in uint64")
+
+
+def check_length_penalty(value: float) -> None:
+    """Accepted and without effect at beam width 1, as in TensorRT-LLM (only beam search reads it); the
+    executor's SamplingConfig refuses a negative one (checkLengthPenalty)."""
+    if not math.isfinite(value) or value < 0:
+        raise InputError(f"length_penalty: {value} must be >= 0")
+
+
+def refuse_unsupported(options: dict) -> None:
+    """`options`: public field -> value sent (None: not sent), for the fields of ONLY_DEFAULT and WORD_LISTS."""
+    for field, (_, default, why) in ONLY_DEFAULT.items():
+        value = options.get(field)
+        if value is not None and value != default:
+            raise InputError(f"{field}: {_show(value)} is not supported by this deployment (only {_show(default)}: {why})")
+    for field in WORD_LISTS:
+        words = [w for w in options.get(field) or () if w]
+        if words:
+            raise InputError(
+                f"{field}: not supported by this deployment (got {len(words)} word(s); only an empty list is accepted)"
+            )
+
+
 @dataclass(frozen=True)
 class Preprocessor:
     tokenizer: Tokenizer
@@ -95,8 +175,17 @@ class Preprocessor:
             raise ValueError(f"{tokenizer_dir}: no EOS token in tokenizer_config.json or config.json")
         return cls(tokenizer, limits, add_special_tokens, ids.eos, ids.eos if ids.pad is None else ids.pad)
 
-    def prepare(self, query: bytes, max_tokens: int, end_id: int | None = None, pad_id: int | None = None) -> Prepared:
-        """Validates one request and tokenizes its prompt; raises InputError on the first bad field."""
+    def prepare(
+        self, query: bytes, max_tokens: int, end_id: int | None = None, pad_id: int | None = None, *,
+        min_tokens: int | None = None, min_length: int | None = None, seed: int | None = None,
+        random_seed: int | None = None, length_penalty: float | None = None, **options,
+    ) -> Prepared:
+        """Validates one request and tokenizes its prompt; raises InputError on the first bad field.
+        `options`: the fields of ONLY_DEFAULT and WORD_LISTS that the request sent."""
+        unknown = set(options) - set(ONLY_DEFAULT) - set(WORD_LISTS)
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        refuse_unsupported(options)
         text = decode_prompt(query)
         ids = encode_prompt(self.tokenizer, text, self.add_special_tokens)
         check_prompt_len(len(ids), self.limits)
@@ -105,11 +194,21 @@ class Preprocessor:
         for field, value in (("end_id", end_id), ("pad_id", pad_id)):
             if value is not None:
                 check_token_id(field, value, vocab)
+        min_field, min_value = either_name("min_tokens", min_tokens, min_length)
+        if min_value is not None:
+            check_min_tokens(min_field, min_value, max_tokens)
+        seed_field, seed_value = either_name("seed", seed, random_seed)
+        if seed_value is not None:
+            check_seed(seed_field, seed_value)
+        if length_penalty is not None:
+            check_length_penalty(length_penalty)
         return Prepared(
             input_ids=np.asarray(ids, dtype=np.int32),
             output_len=max_tokens,
             end_id=self.end_id if end_id is None else end_id,
             pad_id=self.pad_id if pad_id is None else pad_id,
+            min_tokens=0 if min_value is None else min_value,
+            seed=0 if seed_value is None else seed_value,
         )
 
 
@@ -135,8 +234,14 @@ def _one(pb_utils, request, name: str, field: str):
     return values[0] if values.dtype == object else values[0].item()
 
 
-def _scalar(value: int) -> np.ndarray:
-    return np.array([[value]], dtype=np.int32)  # [batch=1, 1]
+def _words(pb_utils, request, name: str) -> list[bytes] | None:
+    """The strings of a [1, n] STRING input (stop_words, bad_words), None if not sent."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else [bytes(w) for w in tensor.as_numpy().reshape(-1)]
+
+
+def _scalar(value: int, dtype=np.int32) -> np.ndarray:
+    return np.array([[value]], dtype=dtype)  # [batch=1, 1]
 
 
 class TritonPythonModel:
@@ -156,11 +261,19 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"preprocessing: {note}")
 
     def _respond(self, pb_utils, request):
+        options = {field: _one(pb_utils, request, tensor, field) for field, (tensor, _, _) in ONLY_DEFAULT.items()}
+        options.update({field: _words(pb_utils, request, tensor) for field, tensor in WORD_LISTS.items()})
         p = self.pre.prepare(
             _one(pb_utils, request, "QUERY", "text_input"),
             _one(pb_utils, request, "REQUEST_OUTPUT_LEN", "max_tokens"),
             _one(pb_utils, request, "END_ID", "end_id"),
             _one(pb_utils, request, "PAD_ID", "pad_id"),
+            min_tokens=_one(pb_utils, request, "MIN_TOKENS", "min_tokens"),
+            min_length=_one(pb_utils, request, "MIN_LENGTH", "min_length"),
+            seed=_one(pb_utils, request, "SEED", "seed"),
+            random_seed=_one(pb_utils, request, "RANDOM_SEED", "random_seed"),
+            length_penalty=_one(pb_utils, request, "LENGTH_PENALTY", "length_penalty"),
+            **options,
         )
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("INPUT_ID", p.input_ids[None, :]),
@@ -168,6 +281,8 @@ class TritonPythonModel:
             pb_utils.Tensor("REQUEST_OUTPUT_LEN", _scalar(p.output_len)),
             pb_utils.Tensor("OUT_END_ID", _scalar(p.end_id)),
             pb_utils.Tensor("OUT_PAD_ID", _scalar(p.pad_id)),
+            pb_utils.Tensor("OUT_MIN_TOKENS", _scalar(p.min_tokens)),
+            pb_utils.Tensor("OUT_SEED", _scalar(p.seed, np.uint64)),
         ])
 
     def execute(self, requests: list) -> list:

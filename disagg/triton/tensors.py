@@ -65,6 +65,7 @@ def parse_engine_call(request, pb_utils) -> EngineCall:
             top_k=int(_scalar(request, "runtime_top_k", pb_utils, 0)),
             top_p=float(_scalar(request, "runtime_top_p", pb_utils, 0.0)),
             seed=int(_scalar(request, "seed", pb_utils, 0)),
+            min_tokens=int(_scalar(request, "min_tokens", pb_utils, 0)),
         ),
         end_id=_scalar(request, "end_id", pb_utils, None),
         stop=stop,
