@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.loop import EngineLoop
@@ -118,6 +118,8 @@ class TritonPythonModel:
         # answer in twenty reached the client all at once, at its end. The tiny per-step matmuls gain
         # nothing from more threads.
         self._blas = threadpool_limits(1, user_api="blas")
+        blas = ", ".join(f"{p['internal_api']} {p['num_threads']}" for p in threadpool_info() if p["user_api"] == "blas")
+        pb_utils.Logger.log_info(f"{args['model_instance_name']}: BLAS threads: {blas or 'none loaded'}")
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException(f"model {config['name']!r} must be decoupled (model_transaction_policy)")
