@@ -14,7 +14,6 @@ import dataclasses
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 from disagg.repository import render_template, role_models
 from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_URL_ENV
@@ -183,7 +182,7 @@ def gpt_model_path(spec: DeploymentSpec, role_name: str) -> str:
 
 
 def model_name(spec: DeploymentSpec, x: InstanceRanks) -> str:
-    """The engine model an instance serves: its own (see disagg.render.role_models), or the aggregated one."""
+    """The engine model an instance serves: its own (see disagg.repository.role_models), or the aggregated one."""
     models = role_models(spec, x.role)
     return models[x.instance] if len(models) > 1 else models[0]
 

@@ -65,19 +65,18 @@ class Release:
 
 
 _OLD_NAMES = ("random_seed", "min_length", "return_kv_cache_reuse_stats")
-_NEW_NAMES = RENAMED_INPUTS
 RELEASES = (
     # No UCX cache transfer before 0.19 (TensorRT-LLM PRs #3065/#3101, late March 2025); the 0.17/0.18
     # docs tell to set TRTLLM_USE_MPI_KVCACHE=1.
     Release((0, 17), ("25.01", "25.02"), _OLD_NAMES, ("mpi",), True, "llama/convert_checkpoint.py"),
     Release((0, 18), ("25.03", "25.04"), _OLD_NAMES, ("mpi",), True, "llama/convert_checkpoint.py"),
     # 25.05's backend is built from r25.05, which has PR #749's names; the v0.19.0 tag itself does not.
-    Release((0, 19), ("25.05",), _NEW_NAMES, ("ucx", "mpi"), True, "models/core/llama/convert_checkpoint.py"),
-    Release((0, 20), ("25.06", "25.07"), _NEW_NAMES, ("ucx", "mpi"), True, "models/core/llama/convert_checkpoint.py"),
+    Release((0, 19), ("25.05",), RENAMED_INPUTS, ("ucx", "mpi"), True, "models/core/llama/convert_checkpoint.py"),
+    Release((0, 20), ("25.06", "25.07"), RENAMED_INPUTS, ("ucx", "mpi"), True, "models/core/llama/convert_checkpoint.py"),
     # TensorRT-LLM PR #5234 (merged June 2025): the Triton backend sets CacheTransceiverConfig(MPI) itself
     # (model_instance_state.cc), so only MPI works, within one MPI world.
-    Release((0, 21), ("25.08",), _NEW_NAMES, ("mpi",), False, "models/core/llama/convert_checkpoint.py"),
-    Release((1, 0), ("25.09", "25.10", "25.11"), _NEW_NAMES, ("mpi",), False, "models/core/llama/convert_checkpoint.py"),
+    Release((0, 21), ("25.08",), RENAMED_INPUTS, ("mpi",), False, "models/core/llama/convert_checkpoint.py"),
+    Release((1, 0), ("25.09", "25.10", "25.11"), RENAMED_INPUTS, ("mpi",), False, "models/core/llama/convert_checkpoint.py"),
 )
 SUPPORTED_RANGE = f"{RELEASES[0].name} .. {RELEASES[-1].name}"
 # What `--dry-run` and rendering assume when neither the spec nor an installed package names a release.
