@@ -161,16 +161,27 @@ def _weights(preset: Preset, seed: int, printable: np.ndarray) -> dict[str, np.n
     return w
 
 
+# A Zephyr-style chat template: BOS, then each turn as <|role|>, its text and EOS; refuses unknown roles.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Conversation roles must be system, user or assistant, not ' + message['role']) }}{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
 def tokenizer_config() -> dict:
-    """tokenizer_config.json: the special tokens by name, and the class transformers loads, which keeps
-    tokenizer.json's post-processor as it is (none: nothing added); add_bos_token/add_eos_token say the
-    same, for readers and for tools that read them."""
+    """tokenizer_config.json: the special tokens by name, the chat template, and the class transformers
+    loads, which keeps tokenizer.json's post-processor as it is (none: nothing added); add_bos_token/
+    add_eos_token say the same, for readers and for tools that read them."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": EOS,
         "add_bos_token": False,
         "add_eos_token": False,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

@@ -26,6 +26,7 @@ from disagg.cli import main
 from disagg.serve.metrics import by_role, scrape
 from disagg.text import load_tokenizer
 from disagg.triton.load_board import board_dir, board_key
+from tests.e2e_helpers import busy, cancelled_total, cancels_after, wait_kv_zero
 from tools.stream_client import StreamError, build_inputs, stream
 
 pytestmark = pytest.mark.e2e
@@ -65,21 +66,6 @@ def http_post(url: str, body: dict, timeout: float = 60.0) -> tuple[int, str]:
 
 def sse_text(body: str) -> list[str]:
     return [json.loads(line[len("data: ") :])["text_output"] for line in body.splitlines() if line.startswith("data: ")]
-
-
-def kv_in_use(server) -> dict[str, float]:
-    return by_role(scrape(server.metrics_url))["disagg_kv_blocks_in_use"]
-
-
-def wait_kv_zero(server, timeout_s: float = 5.0) -> dict[str, float]:
-    """KV blocks in use per role once the pool has drained and no request is left in an engine."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = by_role(scrape(server.metrics_url))
-        used, busy = metrics["disagg_kv_blocks_in_use"], metrics["disagg_requests_in_flight"]
-        if not any(used.values()) and not any(busy.values()) or time.monotonic() > deadline:
-            return used
-        time.sleep(0.1)
 
 
 def test_disaggregated_streams_exactly_the_aggregated_text(server):
@@ -317,7 +303,7 @@ def _engine_tensor(name: str, value, dtype: str, np_type) -> grpcclient.InferInp
 def test_cancelled_stream_stops_decode_and_frees_its_kv(server, cpu_tiny_project):
     """Cancel after 3 of 300 tokens, calling the orchestrator directly with token ids: it sees the gRPC
     cancellation on its own response sender."""
-    before = _cancelled_total(server, "orchestrator-disaggregated")
+    before = cancelled_total(server, "orchestrator-disaggregated")
     client = grpcclient.InferenceServerClient(server.grpc_url)
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -328,7 +314,7 @@ def test_cancelled_stream_stops_decode_and_frees_its_kv(server, cpu_tiny_project
         _engine_tensor("end_id", [[_never_token(cpu_tiny_project)]], "INT32", np.int32),
         _engine_tensor("streaming", [[True]], "BOOL", bool),
     ]
-    with _busy(server, cpu_tiny_project, "ensemble"):
+    with busy(server, "ensemble"):
         client.async_stream_infer("disagg_orchestrator", inputs, enable_empty_final_response=True)
         for _ in range(3):
             result, error = got.get(timeout=30)
@@ -336,55 +322,17 @@ def test_cancelled_stream_stops_decode_and_frees_its_kv(server, cpu_tiny_project
             assert not result.get_response().parameters["triton_final_response"].bool_param
         client.stop_stream(cancel_requests=True)
         client.close()
-        assert _cancels_after(server, "orchestrator-disaggregated", before) == before + 1
+        assert cancels_after(server, "orchestrator-disaggregated", before) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
     assert by_role(scrape(server.metrics_url))["disagg_requests_in_flight"]["decode"] == 0
-
-
-def _cancelled_total(server, role: str) -> float:
-    return by_role(scrape(server.metrics_url))["disagg_orchestrator_cancelled_total"][role]
-
-
-def _cancels_after(server, role: str, before: float, timeout_s: float = 5.0) -> float:
-    """The orchestrator's cancellation count once it has moved past `before`, or after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while (count := _cancelled_total(server, role)) == before and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return count
-
-
-@contextlib.contextmanager
-def _busy(server, project, model: str, streams: int = 8):
-    """Long requests alongside a test, so the request it cancels is still generating when the cancellation
-    is seen. Through an ensemble that is at the stream's next postprocessing call, and a lone tiny-model
-    engine can produce all 300 tokens before postprocessing gets there. These requests are not streamed:
-    they slow the engine's steps without queueing work for postprocessing."""
-    errors: list[str] = []
-    never = _never_token(project)
-
-    def one(i: int) -> None:
-        try:
-            stream(server.grpc_url, model, f"background {i}", 300, streaming=False, end_id=never)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        for t in threads:
-            t.join(120)
-    assert not errors, errors
 
 
 @pytest.mark.parametrize("model, role", [("ensemble", "orchestrator-disaggregated"), ("aggregated", "orchestrator-aggregated")])
 def test_stream_cancelled_through_the_ensemble_stops_the_engines(server, cpu_tiny_project, model, role):
     """Through an ensemble only postprocessing hears of the cancellation; it raises the request's cancel
     flag and the orchestrator stops the engines: counted as a cancellation, not run to its 300 tokens."""
-    before = _cancelled_total(server, role)
-    with _busy(server, cpu_tiny_project, model):
+    before = cancelled_total(server, role)
+    with busy(server, model):
         client = grpcclient.InferenceServerClient(server.grpc_url)
         got: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -393,7 +341,7 @@ def test_stream_cancelled_through_the_ensemble_stops_the_engines(server, cpu_tin
             assert got.get(timeout=30)[1] is None
         client.stop_stream(cancel_requests=True)
         client.close()
-        assert _cancels_after(server, role, before) == before + 1
+        assert cancels_after(server, role, before) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
     key = board_key(cpu_tiny_project / "model_repository")
     assert not list(board_dir().glob(f"disagg-cancel-{key}-*")), "a cancel flag outlived its request"
@@ -439,8 +387,8 @@ def test_a_storm_of_cancellations_leaves_the_server_up_and_the_kv_free(server, c
 def test_http_stream_closed_by_the_client_is_cancelled(server, cpu_tiny_project):
     """Closing the connection of /generate_stream mid-way cancels the request like a gRPC cancel."""
     role = "orchestrator-disaggregated"
-    before = _cancelled_total(server, role)
-    with _busy(server, cpu_tiny_project, "ensemble"):
+    before = cancelled_total(server, role)
+    with busy(server, "ensemble"):
         host, port = server.http_url.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         body = {"text_input": "Call me", "max_tokens": 300, "end_id": _never_token(cpu_tiny_project), "stream": True}
@@ -451,7 +399,7 @@ def test_http_stream_closed_by_the_client_is_cancelled(server, cpu_tiny_project)
             events += response.fp.readline().startswith(b"data:")
         conn.sock.close()
         conn.close()
-        assert _cancels_after(server, role, before) == before + 1
+        assert cancels_after(server, role, before) == before + 1
     assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
 
 

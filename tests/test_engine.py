@@ -10,7 +10,7 @@ from engine_helpers import LIMITS, EngineFactory
 from disagg.engine.engine import ContextPhase, Request, RequestError, StepOutput
 from disagg.engine.kv_cache import KVCacheFullError
 from disagg.engine.kv_wire import SequenceKV
-from disagg.engine.sampling import SamplingParams, mask_end_id
+from disagg.engine.sampling import NO_END_ID, SamplingParams, mask_end_id
 
 GRID = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -155,6 +155,21 @@ def test_min_tokens_keeps_end_id_out_until_that_many_tokens_in_every_deployment(
         assert engine.blocks.num_used == 0
 
 
+def test_end_id_minus_one_is_ignore_eos_in_every_deployment(factory):
+    """TensorRT-LLM serves `ignore_eos` as end_id -1: no token ends the request, only max_new_tokens. The
+    greedy first token, which ends the answer at once as end_id, is generated like any other."""
+    agg, prefill, decode = factory.engine(), factory.engine(role="prefill"), factory.engine(2, 1, role="decode")
+    p = prompts(5, seed=3)[3]
+    free = agg.generate([Request("g", p, 24)])["g"]
+    assert agg.generate([Request("e", p, 24, end_id=free[0])])["e"] == []
+    got = agg.generate([Request("n", p, 24, end_id=NO_END_ID)])["n"]
+    assert got == free and len(got) == 24
+    assert disaggregated(prefill, decode, "d", p, 24, SamplingParams(), NO_END_ID) == got
+    assert mask_end_id(np.zeros(3, dtype=np.float32), NO_END_ID, generated=0, min_tokens=3)[-1] == 0.0
+    for engine in (agg, prefill, decode):
+        assert engine.blocks.num_used == 0
+
+
 def test_mask_end_id_is_the_min_length_penalty():
     logits = np.array([0.0, 5.0, 1.0], dtype=np.float32)
     assert mask_end_id(logits, 1, generated=2, min_tokens=3)[1] == -np.inf  # 2 of 3: still masked
@@ -206,7 +221,7 @@ def test_waiting_requests_queue_until_blocks_free(factory):
         (dict(request_type="context"), "request_type: 'context' is not one of"),
         (dict(request_type="generation_only"), "context_phase_params: required for a generation_only request"),
         (dict(sampling=SamplingParams(top_p=1.5)), r"runtime_top_p: 1.5 must be in \[0, 1\]"),
-        (dict(end_id=-1), "end_id: -1 outside the vocabulary"),
+        (dict(end_id=-2), r"end_id: -2 outside the vocabulary \[0, 512\) and not -1"),
         (dict(sampling=SamplingParams(min_tokens=-1)), "min_tokens: -1 must be >= 0"),
     ],
 )

@@ -41,7 +41,7 @@ def test_prompt_is_tokenized_as_the_tokenizer_says_with_default_ids(pre):
         (b"hello", -3, {}, "max_tokens: -3 must be >= 1"),
         (b"hello", 5000, {}, "max_tokens: 5000 is over the limit 319"),
         (b"x" * 200, 200, {}, "max_tokens: 200 with a 200-token prompt is over max_seq_len=320 (at most 120 here)"),
-        (b"hello", 8, {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511)"),
+        (b"hello", 8, {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511) or -1 (no end token)"),
         (b"hello", 8, {"pad_id": -1}, "pad_id: -1 is outside the vocabulary (0..511)"),
         (b"hello", 8, {"min_tokens": 9}, "min_tokens: 9 is over max_tokens=8"),
         (b"hello", 8, {"min_length": 9}, "min_length: 9 is over max_tokens=8"),

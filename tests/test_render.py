@@ -151,7 +151,7 @@ def test_ensembles_wire_preprocessing_orchestrator_postprocessing(repo):
                "return_perf_metrics", "return_kv_cache_reuse_stats", "beam_width")
     for ensemble, orchestrator in (("ensemble", "disagg_orchestrator"), ("aggregated", "aggregated_orchestrator")):
         cfg = config(repo, ensemble)
-        assert [t.name for t in cfg.output] == ["text_output"] and cfg.max_batch_size > 0
+        assert [t.name for t in cfg.output] == ["text_output", "num_output_tokens"] and cfg.max_batch_size > 0
         steps = [(s.model_name, dict(s.input_map), dict(s.output_map)) for s in cfg.ensemble_scheduling.step]
         assert [s[0] for s in steps] == ["preprocessing", orchestrator, "postprocessing"]
         assert steps[0][1] == {
@@ -172,7 +172,7 @@ def test_ensembles_wire_preprocessing_orchestrator_postprocessing(repo):
                   "IS_FINAL": "_IS_FINAL", "STREAM_ID": "_STREAM_ID"}
         assert steps[1][2] == {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH",
                                "prefix_length": "_PREFIX_LENGTH", "is_final": "_IS_FINAL", "stream_id": "_STREAM_ID"}
-        assert (steps[2][1], steps[2][2]) == (tokens, {"OUTPUT": "text_output"})
+        assert (steps[2][1], steps[2][2]) == (tokens, {"OUTPUT": "text_output", "NUM_OUTPUT_TOKENS": "num_output_tokens"})
 
 
 def test_output_is_deterministic_and_machine_independent(spec, repo, tmp_path):

@@ -6,10 +6,13 @@ text must come back unchanged: tokenize -> ensemble plumbing -> incremental deto
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -116,7 +119,7 @@ def test_optional_inputs_reach_the_orchestrator_only_when_sent(server):
         ("x" * 300, {}, "text_input: prompt is 300 tokens, over the limit max_input_len=256"),
         ("hello", {"max_tokens": 0}, "max_tokens: 0 must be >= 1"),
         ("hello", {"max_tokens": 5000}, "max_tokens: 5000 is over the limit 319"),
-        ("hello", {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511)"),
+        ("hello", {"end_id": 600}, "end_id: 600 is outside the vocabulary (0..511) or -1 (no end token)"),
         ("hello", {"min_length": 9}, "min_length: 9 is over max_tokens=8"),
         ("hello", {"min_tokens": -2}, "min_tokens: -2 must be >= 0"),
         ("hello", {"min_tokens": 2, "min_length": 3},
@@ -151,11 +154,12 @@ def test_missing_libpython_names_the_debian_package(monkeypatch):
 
 
 def test_disagg_serve_starts_prints_ready_and_exits_cleanly_on_sigterm(front_repo):
-    http, grpc, metrics = free_ports(3)
+    """The server, then the OpenAI-compatible API on its own port; SIGTERM stops both."""
+    http, grpc, metrics, openai_port = free_ports(4)
     launcher = Path(sys.executable).parent / "disagg-serve"
     proc = subprocess.Popen(
         [str(launcher), "--model-repository", str(front_repo), "--http-port", str(http), "--grpc-port", str(grpc),
-         "--metrics-port", str(metrics), "--exit-timeout-secs=5",
+         "--metrics-port", str(metrics), "--openai-port", str(openai_port), "--exit-timeout-secs=5",
          "--model-control-mode=explicit", "--load-model=postprocessing"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -173,8 +177,13 @@ def test_disagg_serve_starts_prints_ready_and_exits_cleanly_on_sigterm(front_rep
     try:
         assert ready.wait(120), "no 'ready' line:\n" + "".join(lines[-40:])
         assert any(f"listening on HTTP :{http}, gRPC :{grpc}, metrics :{metrics}" in line for line in lines)
+        assert f"disagg-serve: OpenAI-compatible API on http://127.0.0.1:{openai_port}/v1\n" in lines
+        with urllib.request.urlopen(f"http://127.0.0.1:{openai_port}/v1/models", timeout=10) as resp:
+            assert [m["id"] for m in json.load(resp)["data"]] == ["ensemble", "aggregated"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines[-40:])
+        with pytest.raises(urllib.error.URLError):  # the API went with the server
+            urllib.request.urlopen(f"http://127.0.0.1:{openai_port}/v1/models", timeout=2)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from disagg.backend import EngineBackend
 from disagg.build.manifest import Manifest, inputs_key
-from disagg.checkpoint import generate_checkpoint
+from disagg.checkpoint import generate_checkpoint, tokenizer_config
 from disagg.engine.config import ENGINE_FORMAT, BuildConfig, EngineConfig, LlamaConfig, Mapping
 from disagg.engine.weights import load_hf_weights, write_engine
 from disagg.repository import Model, python_model, repo_relative, role_models
@@ -22,11 +22,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def ensure_checkpoint(spec: DeploymentSpec, log=print) -> None:
-    """Generates the spec's checkpoint when it is missing or was generated from another preset/seed."""
+    """Generates the spec's checkpoint when it is missing or was generated from another preset, seed or
+    tokenizer_config.json (a newer generator's chat template, say)."""
     m = spec.model
     if m.generate_preset is None:
         return
-    wanted = {"preset": m.generate_preset, "seed": m.generate_seed}
+    wanted = {"preset": m.generate_preset, "seed": m.generate_seed, "tokenizer_config": tokenizer_config()}
     marker = m.path / GENERATED_MARKER
     if (m.path / "config.json").is_file():
         if not marker.is_file():

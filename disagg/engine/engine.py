@@ -18,7 +18,8 @@ Request types follow TensorRT-LLM's executor:
 
 A request's `sampling.min_tokens` keeps end_id from being drawn while fewer new tokens than that exist
 (`sampling.mask_end_id`, TensorRT-LLM's min-length penalty); a generation-only request counts the context
-phase's token among them, so disaggregated and aggregated give the same tokens.
+phase's token among them, so disaggregated and aggregated give the same tokens. end_id -1 (`NO_END_ID`)
+means no token ends the request, only its length.
 
 Every result carries the tokens not returned before, as llmRequest.cpp createResult returns those past
 `getMaxSentTokenLen()`, which starts at the prompt length (llmRequest.h `mMaxSentTokenLen(mPromptLen)`).
@@ -44,7 +45,7 @@ from disagg.engine.kv_cache import BlockManager, KVShape, KVStorage, blocks_for
 from disagg.engine.kv_wire import KVLayout, SequenceKV
 from disagg.engine.llama import LlamaModel, StepInput
 from disagg.engine.paged_kv import PagedKV
-from disagg.engine.sampling import SamplingParams, mask_end_id, sample
+from disagg.engine.sampling import NO_END_ID, SamplingParams, mask_end_id, sample
 from disagg.engine.weights import read_rank
 
 # What the tensorrtllm backend answers for a prompt over the engine's maximum input length, any request
@@ -171,8 +172,8 @@ class LLMEngine:
             raise RequestError(
                 f"request_output_len: prompt {n} + {req.max_new_tokens} new tokens is over the limit max_seq_len={b.max_seq_len}"
             )
-        if req.end_id is not None and not 0 <= req.end_id < vocab:
-            raise RequestError(f"end_id: {req.end_id} outside the vocabulary [0, {vocab})")
+        if req.end_id is not None and req.end_id != NO_END_ID and not 0 <= req.end_id < vocab:
+            raise RequestError(f"end_id: {req.end_id} outside the vocabulary [0, {vocab}) and not {NO_END_ID}")
         try:
             req.sampling.validate(vocab)
         except ValueError as exc:

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# end_id meaning "no token ends the request": how TensorRT-LLM serves `ignore_eos` (its executor worker
+# builds the request with `end_id=-1 if sampling_params.ignore_eos`), and what a Triton client sends for it.
+NO_END_ID = -1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,7 +49,7 @@ def mask_end_id(logits: np.ndarray, end_id: int | None, generated: int, min_toke
     minus prompt length), end_id's logit is set to the lowest value, so end_id cannot end it yet. A
     generation-only request counts the context phase's token among its generated ones, as there its
     sequence already holds that token. Returns `logits` itself when nothing is masked, else a copy."""
-    if end_id is None or generated >= min_tokens:
+    if end_id is None or end_id < 0 or generated >= min_tokens:
         return logits
     masked = logits.copy()
     masked[end_id] = -np.inf

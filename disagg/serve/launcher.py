@@ -7,8 +7,9 @@
 Takes tritonserver's own flags and passes them on unchanged. Without a tritonserver on PATH it runs the
 one bundled in nvidia-pytriton and adds the backend directory, library path and PATH that it needs
 (docs/triton-on-cpu.md). Listens on 127.0.0.1 unless an --http-address/--grpc-address/--metrics-address
-flag says otherwise. Prints where the server listens, then "ready" once every model is loaded.
-SIGINT/SIGTERM go to the server; the exit code is the server's.
+flag says otherwise. Once every model is loaded it starts the OpenAI-compatible API (`/v1/completions`,
+`/v1/chat/completions`, `/v1/models`; disagg/openai) on --openai-port, on the same address as HTTP, then
+prints "ready". SIGINT/SIGTERM go to the server; the API stops with it; the exit code is the server's.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import shlex
 import signal
 import sys
 
+from disagg.serve.openai_front import OpenAIFront
 from disagg.serve.server import ServerError, TritonServer
 
 _PREFIX = "disagg-serve:"
@@ -34,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002, help="as tritonserver (default 8002)")
     p.add_argument("--backend-directory", help="as tritonserver; default: prepared for the bundled server")
     p.add_argument("--exit-timeout-secs", type=int, help="as tritonserver (default 30)")
+    p.add_argument("--openai-port", type=int, default=9000, help="disagg-serve only: the OpenAI-compatible API's port (default 9000)")
+    p.add_argument("--no-openai", action="store_true", help="disagg-serve only: do not start the OpenAI-compatible API")
     p.add_argument(
         "--ready-timeout-secs", type=float, default=600.0,
         help="disagg-serve only: give up when the server is not ready after this long (default 600)",
@@ -75,14 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         f"{_PREFIX} listening on HTTP :{server.http_port}, gRPC :{server.grpc_port}, "
         f"metrics :{server.metrics_port}", flush=True,
     )
+    front = None
     try:
         server.wait_ready(args.ready_timeout_secs)
+        if not args.no_openai:
+            http_address = next((a.split("=", 1)[1] for a in passthrough if a.startswith("--http-address=")), None)
+            front = OpenAIFront(first, server.grpc_url, host=http_address or server.address or "0.0.0.0", port=args.openai_port)
+            front.start().wait_ready()
+            print(f"{_PREFIX} OpenAI-compatible API on {front.base_url}", flush=True)
         print(f"{_PREFIX} ready", flush=True)
     except ServerError as exc:
         if not signalled:
             print(f"{_PREFIX} error: {exc}", file=sys.stderr)
+            if front is not None:
+                front.stop()
             server.stop()
             return 1
     code = server.wait()
+    if front is not None:
+        front.stop()
     server.stop()
     return code if code >= 0 else 128 - code

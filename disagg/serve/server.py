@@ -122,7 +122,7 @@ def find_install(workdir: Path) -> ServerInstall:
     return _bundled_install(workdir)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Runs in the child before exec: the server gets SIGTERM when the process (thread) that started it
     # dies, so a killed test run or launcher never leaves a server holding its ports.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -219,7 +219,7 @@ class TritonServer:
         try:
             self.process = subprocess.Popen(
                 self.command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
             )
         finally:
             if out is not None:

@@ -11,6 +11,9 @@ STREAM_ID names the orchestrator request's cancel flag. Through an ensemble this
 Triton tells of a client's cancellation, so it raises the flag (disagg.triton.cancel_board). Asking
 Triton is an IPC round trip, so it asks only when STREAM_ID is not empty (the orchestrator names the
 flag on one response in every 50 ms).
+
+NUM_OUTPUT_TOKENS counts the tokens each response's text was decoded from (SEQUENCE_LENGTH minus
+PREFIX_LENGTH, summed over beams), so a client can count usage without a tokenizer of its own.
 """
 from __future__ import annotations
 
@@ -59,7 +62,11 @@ class TritonPythonModel:
             for stream_id in stream_ids:
                 cancel_board.raise_flag(self.board_key, stream_id.decode())
         texts = [self.post.texts(t, n, p, f) for t, n, p, f in zip(tokens, lengths, prefix_lens, finals)]
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object))])
+        counts = [[int(n.sum()) - (p or 0) * len(n)] for n, p in zip(lengths, prefix_lens)]
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object)),
+            pb_utils.Tensor("NUM_OUTPUT_TOKENS", np.array(counts, dtype=np.uint32)),
+        ])
 
     def execute(self, requests: list) -> list:
         import triton_python_backend_utils as pb_utils  # exists only inside the Python backend stub

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from disagg.engine.sampling import NO_END_ID
 from disagg.text import encode_prompt, load_tokenizer, special_ids, special_tokens_note
 from disagg.triton.paths import model_param, resolve_path
 
@@ -105,8 +106,11 @@ def check_max_tokens(value: int, prompt_len: int, limits: Limits) -> None:
 
 
 def check_token_id(field: str, value: int, vocab_size: int) -> None:
+    if field == "end_id" and value == NO_END_ID:
+        return
     if not 0 <= value < vocab_size:
-        raise InputError(f"{field}: {value} is outside the vocabulary (0..{vocab_size - 1})")
+        also = f" or {NO_END_ID} (no end token)" if field == "end_id" else ""
+        raise InputError(f"{field}: {value} is outside the vocabulary (0..{vocab_size - 1}){also}")
 
 
 def _show(value) -> str:
