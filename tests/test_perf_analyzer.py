@@ -1,0 +1,69 @@
+"""perf_analyzer, unmodified, against both ensembles of a real tritonserver, with the inputs genai-perf
+0.0.16 generates for `--backend tensorrtllm --streaming --output-tokens-mean-deterministic` (text_input,
+max_tokens, exclude_input_in_output, stream, min_length): every request is answered, streamed token by
+token, with the text the ensemble gives any other client. `tools/install_perf_analyzer.sh` installs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.stream_client import stream
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "It was the best of times, it was the worst of times"
+TOKENS = 32
+REQUESTS = 12
+
+
+def perf_analyzer() -> tuple[Path, dict[str, str]]:
+    binary = Path(sys.executable).parent / "perf_analyzer"
+    if not binary.is_file():
+        pytest.fail(f"{binary} is missing: run `bash tools/install_perf_analyzer.sh` (.ci/run does)")
+    import nvidia.cuda_runtime
+
+    lib = Path(nvidia.cuda_runtime.__path__[0]) / "lib"
+    return binary, dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(lib), os.environ.get("LD_LIBRARY_PATH")])))
+
+
+@pytest.fixture(scope="module")
+def server(cpu_tiny_project, start_triton):
+    s = start_triton(cpu_tiny_project / "model_repository")
+    yield s
+    s.stop()
+
+
+def run(server, model: str, workdir: Path, concurrency: int) -> list[dict]:
+    """perf_analyzer's profile export: one entry per request, with its responses' outputs."""
+    binary, env = perf_analyzer()
+    data = workdir / "inputs.json"
+    data.write_text(json.dumps({"data": [{"text_input": [PROMPT], "max_tokens": [TOKENS], "exclude_input_in_output": [True],
+                                          "stream": [True], "min_length": [TOKENS]}]}))
+    export = workdir / f"{model}-c{concurrency}.json"
+    cmd = [str(binary), "-m", model, "-i", "grpc", "--async", "--streaming", "-u", server.grpc_url, "--service-kind", "triton",
+           "--input-data", str(data), "--request-count", str(REQUESTS), "--concurrency-range", str(concurrency),
+           "--profile-export-file", str(export)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [experiment] = json.loads(export.read_text())["experiments"]
+    return experiment["requests"]
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_perf_analyzer_streams_what_genai_perf_asks_from_both_ensembles(server, tmp_path, concurrency):
+    expected = stream(server.grpc_url, "aggregated", PROMPT, TOKENS, exclude_input_in_output=True, min_length=TOKENS).text
+    assert expected
+    for model in ("ensemble", "aggregated"):
+        requests = run(server, model, tmp_path, concurrency)
+        assert len(requests) == REQUESTS
+        for request in requests:
+            outputs = request["response_outputs"]
+            assert "".join(o["text_output"] for o in outputs) == expected, model
+            assert [o["num_output_tokens"] for o in outputs] == [1] * TOKENS + [0], model  # one token per response, then the final
+            assert len(request["response_timestamps"]) == TOKENS + 1
