@@ -117,6 +117,16 @@ def test_chat_uses_the_checkpoint_template_as_transformers_does(client, hf, cpu_
         assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_counts_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (AIPerf --per-chunk-usage): each chunk has the usage so far."""
+    chunks = list(client.completions.create(model="ensemble", prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 12
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
 def test_chat_without_a_limit_may_fill_the_sequence(client, hf):
     """No max_tokens: as many as max_seq_len leaves after the prompt, within max_output_len (319 here)."""
     out = client.chat.completions.create(model="ensemble", messages=CHAT, temperature=0, extra_body={"ignore_eos": True})

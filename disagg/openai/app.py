@@ -43,6 +43,7 @@ class Generation:
     max_tokens: int
     stops: list[str]
     include_usage: bool
+    continuous_usage: bool
     completion_tokens: int = 0
     finish_reason: str | None = None
 
@@ -96,10 +97,11 @@ def _prepare(deployment: Deployment, req, text: str, max_tokens: int | None, pro
             raise APIError(prompt_field + str(exc)[len(field):], param=prompt_field) from None
         raise APIError(str(exc), param=field) from None
     options = _options(req, max_tokens, deployment.pre.tokenizer.get_vocab_size(with_added_tokens=True))
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    if req.stream_options is not None and not req.stream:
+    stream_options = req.stream_options
+    if stream_options is not None and not req.stream:
         raise APIError("stream_options: only allowed when stream is true", param="stream_options")
-    return Generation(req.model, text, options, int(prepared.input_ids.size), max_tokens, stops, include_usage)
+    return Generation(req.model, text, options, int(prepared.input_ids.size), max_tokens, stops,
+                      bool(stream_options and stream_options.include_usage), bool(stream_options and stream_options.continuous_usage_stats))
 
 
 async def _run(streams: TritonStreams, gen: Generation) -> AsyncIterator[str]:
@@ -135,6 +137,14 @@ async def _unless_disconnected(request: Request, work: Awaitable):
                 await task
             raise APIError("the client disconnected", status=499)
     return task.result()
+
+
+def _chunk_usage(gen: Generation) -> dict:
+    """A streamed chunk's usage field: the count so far (continuous_usage_stats), null before the last
+    chunk (include_usage), or absent."""
+    if gen.continuous_usage:
+        return {"usage": gen.usage()}
+    return {"usage": None} if gen.include_usage else {}
 
 
 def _sse(payload: dict | str) -> str:
@@ -224,7 +234,7 @@ def create_app(deployment: Deployment, grpc_url: str) -> FastAPI:
 
         def base(choices: list) -> dict:
             body = {"id": ident, "object": "text_completion", "created": now, "model": req.model, "choices": choices}
-            return body | ({"usage": None} if gen.include_usage else {})
+            return body | _chunk_usage(gen)
 
         def chunk(text: str, finish: str | None, first: bool) -> dict:
             return base([{"index": 0, "text": (echo if first else "") + text, "logprobs": None, "finish_reason": finish}])
@@ -249,7 +259,7 @@ def create_app(deployment: Deployment, grpc_url: str) -> FastAPI:
 
         def base(choices: list, kind: str) -> dict:
             body = {"id": ident, "object": kind, "created": now, "model": req.model, "choices": choices}
-            return body | ({"usage": None} if gen.include_usage else {})
+            return body | _chunk_usage(gen)
 
         def chunk(text: str, finish: str | None, first: bool) -> dict:
             delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})

@@ -39,6 +39,7 @@ def validation_error(exc: ValidationError) -> APIError:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (AIPerf --per-chunk-usage)
 
 
 class _Sampling(BaseModel):
