@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -280,14 +281,24 @@ def test_a_client_leaving_before_a_non_streamed_answer_cancels_it(front, server)
     assert wait_kv_zero(server) == NO_KV
 
 
-def test_health_follows_the_server(front):
-    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=10)
-    try:
-        conn.request("GET", "/health")
-        resp = conn.getresponse()
-        assert (resp.status, json.loads(resp.read())) == (200, {"ready": True})
-    finally:
-        conn.close()
+def test_ready_and_live_report_the_engines(front):
+    for path, expected in (("/ready", "ready"), ("/live", "live")):
+        conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=10)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            assert resp.status == 200 and body[expected] is True, body
+        finally:
+            conn.close()
+    engines = body_of_ready(front)["engines"]
+    assert engines == {m: {"role": r, "instances": 1, "alive": 1}
+                       for m, r in (("aggregated_engine", "aggregated"), ("decode", "decode"), ("prefill", "prefill"))}
+
+
+def body_of_ready(front) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{front.port}/ready", timeout=10) as resp:
+        return json.load(resp)
 
 
 def test_the_api_process_logs_no_errors(front):

@@ -27,6 +27,7 @@ from disagg.openai.deployment import Deployment
 from disagg.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
 from disagg.openai.stop import StopMatcher
 from disagg.openai.triton_stream import EngineError, TritonStreams
+from disagg.serve.health import report
 from disagg.triton.preprocessing import InputError
 
 _DISCONNECT_POLL_S = 0.1
@@ -195,10 +196,18 @@ def create_app(deployment: Deployment, grpc_url: str) -> FastAPI:
             raise APIError(f"The model '{name}' does not exist", status=404, param="model")
         return model_card(name)
 
+    @app.get("/ready")
     @app.get("/health")
-    async def health():
-        ready = await app.state.streams.ready()
-        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+    async def ready():
+        """Readiness for a load balancer or Kubernetes probe: 503 while any engine role has no live instance."""
+        body = report(deployment.board_key, list(deployment.engines), await app.state.streams.ready())
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/live")
+    async def live():
+        """Liveness: the server answers (true while a dead engine is being reloaded)."""
+        is_live = await app.state.streams.live()
+        return JSONResponse({"live": is_live}, status_code=200 if is_live else 503)
 
     async def respond(request: Request, gen: Generation, stream: bool, chunk, whole):
         """`chunk(text, finish_reason, first)` -> one streamed event; `whole(text)` -> the non-streamed body."""

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from disagg.openai.chat_template import ChatTemplate
 from disagg.repository import parse_config
+from disagg.serve.health import EngineModel, engine_models
 from disagg.text import added_special_tokens, encode_prompt
+from disagg.triton.load_board import board_key
 from disagg.triton.preprocessing import Limits, Preprocessor, parse_bool
 
 PUBLIC_MODELS = ("ensemble", "aggregated")  # disaggregated, and the aggregated baseline
@@ -22,6 +24,8 @@ class Deployment:
     models: tuple[str, ...]
     pre: Preprocessor
     chat_template: ChatTemplate | None
+    board_key: str = ""  # names the deployment's load board (disagg.triton.load_board)
+    engines: tuple[EngineModel, ...] = ()
 
     @classmethod
     def load(cls, model_repository: str | Path) -> Deployment:
@@ -34,7 +38,7 @@ class Deployment:
         limits = Limits(int(param["max_input_len"]), int(param["max_output_len"]), int(param["max_seq_len"]))
         tokenizer_dir = (repo / param["tokenizer_dir"]).resolve()
         pre = Preprocessor.load(tokenizer_dir, limits, parse_bool("add_special_tokens", param["add_special_tokens"]))
-        return cls(models, pre, ChatTemplate.load(tokenizer_dir))
+        return cls(models, pre, ChatTemplate.load(tokenizer_dir), board_key(repo), tuple(engine_models(repo)))
 
     def prompt_tokens(self, text: str) -> int:
         return len(encode_prompt(self.pre.tokenizer, text, self.pre.add_special_tokens))

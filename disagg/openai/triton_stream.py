@@ -93,5 +93,11 @@ class TritonStreams:
         except Exception:  # noqa: BLE001 - unreachable counts as not ready
             return False
 
+    async def live(self) -> bool:
+        try:
+            return await self.client.is_server_live()
+        except Exception:  # noqa: BLE001 - unreachable counts as not live
+            return False
+
     async def close(self) -> None:
         await self.client.close()

@@ -7,9 +7,12 @@
 Takes tritonserver's own flags and passes them on unchanged. Without a tritonserver on PATH it runs the
 one bundled in nvidia-pytriton and adds the backend directory, library path and PATH that it needs
 (docs/triton-on-cpu.md). Listens on 127.0.0.1 unless an --http-address/--grpc-address/--metrics-address
-flag says otherwise. Once every model is loaded it starts the OpenAI-compatible API (`/v1/completions`,
-`/v1/chat/completions`, `/v1/models`; disagg/openai) on --openai-port, on the same address as HTTP, then
-prints "ready". SIGINT/SIGTERM go to the server; the API stops with it; the exit code is the server's.
+flag says otherwise. Runs the server with `--model-control-mode=explicit --load-model=*` unless told
+another mode, so that a watchdog (disagg.serve.watchdog) can reload an engine model whose instance died.
+Once every model is loaded it starts the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
+`/v1/models`, and `/ready` + `/live` for probes; disagg/openai) on --openai-port, on the same address as
+HTTP, then prints "ready". SIGINT/SIGTERM go to the server; the API stops with it; the exit code is the
+server's. The server gets 5 s to finish its requests on a stop (--exit-timeout-secs).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import sys
 
 from disagg.serve.openai_front import OpenAIFront
 from disagg.serve.server import ServerError, TritonServer
+from disagg.serve.watchdog import Watchdog
 
 _PREFIX = "disagg-serve:"
 
@@ -35,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=8001, help="as tritonserver (default 8001)")
     p.add_argument("--metrics-port", type=int, default=8002, help="as tritonserver (default 8002)")
     p.add_argument("--backend-directory", help="as tritonserver; default: prepared for the bundled server")
-    p.add_argument("--exit-timeout-secs", type=int, help="as tritonserver (default 30)")
+    p.add_argument("--exit-timeout-secs", type=int, default=5, help="as tritonserver (default here 5; tritonserver's own is 30)")
     p.add_argument("--openai-port", type=int, default=9000, help="disagg-serve only: the OpenAI-compatible API's port (default 9000)")
     p.add_argument("--no-openai", action="store_true", help="disagg-serve only: do not start the OpenAI-compatible API")
     p.add_argument(
@@ -45,10 +49,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of tritonserver flag `flag` in `args` (`--flag=value` or `--flag value`), None if absent."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = _parser().parse_known_args(argv)
     first, *more = args.model_repository
     chooses_address = any(a.split("=")[0] in ("--http-address", "--grpc-address", "--metrics-address") for a in passthrough)
+    control = _flag_value(passthrough, "--model-control-mode")
+    if control is None:
+        control = "explicit"
+        passthrough += ["--model-control-mode=explicit", "--load-model=*"]
     server = TritonServer(
         first,
         http_port=args.http_port,
@@ -65,9 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_PREFIX} error: {exc}", file=sys.stderr)
         return 2
     signalled: list[int] = []
+    watchdog = None
+    if control == "explicit":
+        import tritonclient.http as httpclient
+
+        watchdog = Watchdog(server.board_key, httpclient.InferenceServerClient(server.http_url),
+                            log=lambda line: print(f"{_PREFIX} {line}", flush=True))
 
     def forward(signum: int, _frame) -> None:
         signalled.append(signum)
+        if watchdog is not None:
+            watchdog.halt()  # the models are being unloaded on purpose now
         if server.process.poll() is None:
             server.process.send_signal(signum)
 
@@ -82,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     front = None
     try:
         server.wait_ready(args.ready_timeout_secs)
+        if watchdog is not None:
+            watchdog.start()
+        else:
+            print(f"{_PREFIX} dead engine models are not reloaded: that needs --model-control-mode=explicit", flush=True)
         if not args.no_openai:
             http_address = next((a.split("=", 1)[1] for a in passthrough if a.startswith("--http-address=")), None)
             front = OpenAIFront(first, server.grpc_url, host=http_address or server.address or "0.0.0.0", port=args.openai_port)
@@ -91,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     except ServerError as exc:
         if not signalled:
             print(f"{_PREFIX} error: {exc}", file=sys.stderr)
-            if front is not None:
-                front.stop()
-            server.stop()
+            for part in (watchdog, front, server):
+                if part is not None:
+                    part.stop()
             return 1
     code = server.wait()
+    if watchdog is not None:
+        watchdog.stop()
     if front is not None:
         front.stop()
     server.stop()

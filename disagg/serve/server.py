@@ -25,8 +25,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from disagg.triton.contract import ENGINE_URL_ENV
 from pathlib import Path
+
+from disagg.serve.leftovers import names as shm_names
+from disagg.serve.leftovers import sweep
+from disagg.triton.contract import ENGINE_URL_ENV
+from disagg.triton.load_board import board_key
 
 _PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 _LIBPYTHON = f"libpython{_PY_VERSION}.so.1.0"
@@ -167,6 +171,12 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.install: ServerInstall | None = None
         self._workdir: Path | None = None
+        self._shm_before: set[str] | None = None  # /dev/shm's names before the server started
+
+    @property
+    def board_key(self) -> str:
+        """The key naming this deployment's shared-memory objects (disagg.triton.load_board)."""
+        return board_key(self.model_repository)
 
     @property
     def client_host(self) -> str:
@@ -207,6 +217,8 @@ class TritonServer:
             raise ServerError("this TritonServer was already started")
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} is not a directory")
+        sweep(self.board_key)  # what a killed server of this deployment left behind
+        self._shm_before = shm_names()
         self._workdir = Path(tempfile.mkdtemp(prefix="disagg-tritonserver-"))
         self.install = find_install(self._workdir)
         env = dict(os.environ, **self.install.env)
@@ -276,9 +288,11 @@ class TritonServer:
                 self.process.kill()
                 self.process.wait()
         if self.process is not None:
-            # Python stubs outlive a server that crashed or was killed: end its whole process group.
+            # Python stubs outlive a server that crashed or was killed: end its whole process group, then
+            # remove what they can no longer remove themselves.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
+            sweep(self.board_key, since=self._shm_before)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

@@ -20,7 +20,13 @@ class SharedPool:
         self.segment: shared_memory.SharedMemory | None = None
 
     def allocate(self, nbytes: int):
-        self.segment = shared_memory.SharedMemory(create=True, size=nbytes, name=self.requested_name)
+        try:
+            self.segment = shared_memory.SharedMemory(create=True, size=nbytes, name=self.requested_name)
+        except FileExistsError:  # a killed predecessor's pool under this instance's name: nobody owns it now
+            stale = shared_memory.SharedMemory(name=self.requested_name)
+            stale.close()
+            stale.unlink()
+            self.segment = shared_memory.SharedMemory(create=True, size=nbytes, name=self.requested_name)
         _CREATED_HERE.add(self.segment.name)
         return self.segment.buf
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 import uuid
@@ -126,12 +125,15 @@ class TritonPythonModel:
         self.name = config["name"]
         self.role = model_param(args, "role")
         self.transport = model_param(args, "kv_transfer_backend")
-        self.pool = None
-        if self.role == "prefill" and self.transport == "shm":
-            self.pool = SharedPool(f"disagg_{self.name}_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         self.instance = args["model_instance_name"]
         self.board_key = load_board.board_key(repository_root(args))
+        self.pool = None
+        if self.role == "prefill" and self.transport == "shm":
+            # Named by deployment and instance: a restarted instance replaces its killed predecessor's pool,
+            # and a server's start and stop sweep whatever a crash left (disagg.serve.leftovers).
+            self.pool = SharedPool(f"disagg_{self.board_key}_{self.instance}")
         self.metrics = EngineMetrics(self.role, self.instance)
+        self.metrics.restarts.set(load_board.restarts(self.board_key).get(self.name, 0))
         engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None)
         self.loop = EngineLoop(engine)
         self.agent = None

@@ -1,9 +1,10 @@
-"""Engine instances publish their load; the orchestrator reads it to send each request to the least
-loaded decode model.
+"""Engine instances publish their load and that they are alive; the orchestrator reads it to send each
+request to the least loaded live instance and to fail a request fast when the instance serving it dies,
+the watchdog to bring a dead instance back, the readiness check to tell the truth.
 
 A board is a directory of small JSON files, one per engine instance, rewritten atomically every
-refresh (default: /dev/shm, i.e. memory). The board key is derived from the model repository's path,
-so two servers on one machine never read each other's load.
+refresh (default: /dev/shm, i.e. memory), carrying the instance's process id. The board key is derived
+from the model repository's path, so two servers on one machine never read each other's load.
 """
 from __future__ import annotations
 
@@ -30,6 +31,35 @@ class Load:
     in_flight: int
     free_blocks: int
     updated: float
+    pid: int = 0  # the engine instance's process (its Python backend stub)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One instance's latest publication."""
+
+    model: str
+    instance: str
+    load: Load
+
+    @property
+    def process_alive(self) -> bool:
+        return pid_alive(self.load.pid)
+
+    @property
+    def fresh(self) -> bool:
+        return time.time() - self.load.updated < STALE_S
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a killed stub stays one until Triton reaps it)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _path(key: str, model: str, instance: str) -> Path:
@@ -39,8 +69,21 @@ def _path(key: str, model: str, instance: str) -> Path:
 def publish(key: str, model: str, instance: str, in_flight: int, free_blocks: int) -> None:
     path = _path(key, model, instance)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(Load(in_flight, free_blocks, time.time()))))
+    tmp.write_text(json.dumps(asdict(Load(in_flight, free_blocks, time.time(), os.getpid()))))
     os.replace(tmp, path)
+
+
+def entries(key: str, model: str | None = None) -> list[Entry]:
+    """What every instance of `model` (None: of every model) last published. Names hold no "-", so a
+    file's name splits into model and instance there."""
+    found = []
+    for path in board_dir().glob(f"disagg-load-{key}-{model or '*'}-*.json"):
+        owner, instance = path.stem.removeprefix(f"disagg-load-{key}-").split("-", 1)
+        try:
+            found.append(Entry(owner, instance, Load(**json.loads(path.read_text()))))
+        except (OSError, ValueError, TypeError):
+            continue  # being replaced right now, or not ours
+    return found
 
 
 def withdraw(key: str, model: str, instance: str) -> None:
@@ -48,26 +91,46 @@ def withdraw(key: str, model: str, instance: str) -> None:
 
 
 def model_load(key: str, model: str) -> Load | None:
-    """The model's load summed over its instances; None when no instance published recently."""
-    now, loads = time.time(), []
-    for path in board_dir().glob(f"disagg-load-{key}-{model}-*.json"):
-        try:
-            load = Load(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue  # being replaced right now, or not ours
-        if now - load.updated < STALE_S:
-            loads.append(load)
+    """The model's load summed over its live instances; None when none published recently."""
+    loads = [e.load for e in entries(key, model) if e.fresh and e.process_alive]
     if not loads:
         return None
     return Load(sum(x.in_flight for x in loads), sum(x.free_blocks for x in loads), max(x.updated for x in loads))
 
 
+def dead_pids(key: str, model: str) -> set[int]:
+    """Process ids of `model`'s instances that published and have died since."""
+    return {e.load.pid for e in entries(key, model) if e.load.pid and not e.process_alive}
+
+
 def least_loaded(key: str, models: list[str], dispatched: dict[str, int]) -> str:
-    """Fewest sequences in flight first, then most free KV blocks. `dispatched` counts requests this
-    orchestrator sent and still streams, which covers the time before the board shows them."""
-    def score(model: str) -> tuple[int, int]:
+    """A model none of whose instances is known dead, if there is one; among those, fewest sequences in
+    flight first, then most free KV blocks. `dispatched` counts requests this orchestrator sent and still
+    streams, which covers the time before the board shows them."""
+    def score(model: str) -> tuple[bool, int, int]:
         load = model_load(key, model)
         in_flight = max(load.in_flight if load else 0, dispatched.get(model, 0))
-        return in_flight, -(load.free_blocks if load else 0)
+        return bool(dead_pids(key, model)), in_flight, -(load.free_blocks if load else 0)
 
     return min(models, key=score)
+
+
+def _restarts_path(key: str) -> Path:
+    return board_dir() / f"disagg-restarts-{key}.json"
+
+
+def restarts(key: str) -> dict[str, int]:
+    """How many times each model was reloaded after an instance died (disagg.serve.watchdog)."""
+    try:
+        return json.loads(_restarts_path(key).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def count_restart(key: str, model: str) -> None:
+    counts = restarts(key)
+    counts[model] = counts.get(model, 0) + 1
+    path = _restarts_path(key)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(counts))
+    os.replace(tmp, path)

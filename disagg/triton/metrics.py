@@ -5,6 +5,7 @@ Every series carries `role` and `instance` labels, so a user sees which side is 
     disagg_requests_in_flight / disagg_queue_depth        gauges (queue depth = waiting for KV blocks or a batch slot)
     disagg_kv_handoff_bytes_total / _seconds_total / _count_total / _reclaimed_total   counters
     disagg_ttft_seconds                                   histogram, as the orchestrator sees it
+    disagg_engine_restarts                                gauge: reloads after an instance died (watchdog)
 The families are kept on the object: a Metric dies with its MetricFamily. Updates hold STUB_LOCK:
 concurrent calls into the stub from many request threads crash Triton 2.51's python backend (a
 segfault in libtriton_python.so, seen with 8+ concurrent orchestrated streams).
@@ -77,6 +78,7 @@ class EngineMetrics(Metrics):
         self.handoff_seconds = self.counter("disagg_kv_handoff_seconds_total", "Seconds spent pulling KV from prefill")
         self.handoff_count = self.counter("disagg_kv_handoff_count_total", "KV handoffs completed")
         self.reclaimed = self.counter("disagg_kv_handoff_reclaimed_total", "Handoffs freed by lease expiry")
+        self.restarts = self.gauge("disagg_engine_restarts", "Reloads of this engine model after an instance of it died")
 
     def update(self, stats, held_handoffs: int = 0) -> None:
         self.blocks_in_use.set(stats.blocks_used)

@@ -13,7 +13,8 @@ one request at a time and throws the context phase's token away, this one:
 - sends each phase to the least loaded engine instance (every instance is a model of its own: fewest
   sequences in flight, then most free KV blocks, as the reference engines publish on the load board);
 - gives each hop a deadline (`prefill_timeout_s`, `decode_timeout_s`: longest wait for the next
-  response) with an error that names the hop;
+  response) with an error that names the hop, and fails it within CANCEL_CHECK_S when the engine
+  instance serving it dies (its process, as the load board names it, is gone);
 - on client cancellation, a hop error or a timeout, sends `stop` for the request id to the engine
   models it reached (a `stop` acts only on the instance it lands on), which frees its KV where it is
   still running or queued; a handoff that no decode was seen to take is drained (a generation request
@@ -120,10 +121,16 @@ class Hop:
     Engines are reached through Triton's gRPC endpoint rather than BLS: in Triton 2.51 concurrent
     decoupled BLS streams corrupt the python backend's heap (seen as `malloc(): unaligned fastbin
     chunk detected` and stub segfaults), while plain client streams are a well-trodden path. Closing
-    a hop with `cancel=True` cancels the engine request, which frees its KV."""
+    a hop with `cancel=True` cancels the engine request, which frees its KV.
 
-    def __init__(self, clients: ClientPool, url: str, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
+    `pids`: the processes of the model's instances when the hop began (from the load board). If one of
+    them dies, the hop fails at the next check, naming it, instead of waiting out its timeout: Triton
+    never answers a request whose stub was killed."""
+
+    def __init__(self, clients: ClientPool, url: str, model: str, inputs: dict[str, np.ndarray], request_id: str,
+                 request_type: str, pids: dict[int, str] | None = None):
         self.model = model
+        self.pids = pids or {}
         self.results_queue: queue.Queue = queue.Queue()
         self.clients, self.url = clients, url
         self.client = clients.take(url)
@@ -177,6 +184,9 @@ class Hop:
                     is_cancelled = cancelled()
                 if is_cancelled:
                     raise Cancelled()
+                dead = [f"{instance} (pid {pid})" for pid, instance in self.pids.items() if not load_board.pid_alive(pid)]
+                if dead:
+                    raise HopError(f"{self.model}: engine instance {', '.join(dead)} died while serving this request")
             if item is None:
                 if now > deadline:
                     raise HopError(f"{self.model}: no response within {timeout_s:g} s")
@@ -423,7 +433,8 @@ class TritonPythonModel:
 
     @contextlib.contextmanager
     def _hop(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
-        hop = Hop(self.clients, self.engine_urls[model], model, inputs, request_id, request_type)
+        pids = {e.load.pid: e.instance for e in load_board.entries(self.board_key, model) if e.process_alive}
+        hop = Hop(self.clients, self.engine_urls[model], model, inputs, request_id, request_type, pids)
         try:
             yield hop
         except BaseException:

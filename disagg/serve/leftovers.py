@@ -1,0 +1,77 @@
+"""What a killed server leaves in shared memory, found and removed.
+
+A server stopped in order removes its own objects (engine models withdraw their load-board entries and
+unlink their KV pools, the Python backend its regions). One that crashed, or was killed with its stubs,
+leaves them behind: the prefill KV pool alone is the size of the KV cache. Everything of a deployment is
+named by its board key (`disagg-load-<key>-*`, `disagg-cancel-<key>-*`, `disagg-restarts-<key>`,
+`disagg_<key>_*` KV pools), so `sweep` removes it before a server starts and after it stops. The Python
+backend's regions (`triton_python_backend_shm_region_*`) carry no deployment name: one is removed only
+when no process maps it, and either it appeared while this server ran (`since`: what was there before it
+started) or it is older than REGION_GRACE_S (a region being created is not mapped yet), so another
+server's live regions are never touched.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+_BACKEND_REGION = "triton_python_backend_shm_region_"
+REGION_GRACE_S = 10.0
+
+
+def mapped_names(shm_dir: Path = SHM) -> set[str]:
+    """Names of the files in `shm_dir` that some process has mapped (from /proc/*/maps)."""
+    prefix = f"{shm_dir}/"
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+        for line in text.splitlines():
+            at = line.find(prefix)
+            if at >= 0:
+                names.add(line[at + len(prefix):].removesuffix(" (deleted)"))
+    return names
+
+
+def names(shm_dir: Path = SHM) -> set[str]:
+    return {p.name for p in shm_dir.iterdir()}
+
+
+def deployment_objects(key: str, shm_dir: Path = SHM, since: set[str] | None = None) -> list[Path]:
+    """The deployment's own objects, and backend regions nobody maps (see the module's docstring)."""
+    ours = (f"disagg-load-{key}-", f"disagg-cancel-{key}-", f"disagg-restarts-{key}", f"disagg_{key}_")
+    mapped, now = mapped_names(shm_dir), time.time()
+
+    def orphan_region(p: Path) -> bool:
+        if not p.name.startswith(_BACKEND_REGION):
+            return False
+        if since is not None and p.name not in since:
+            return True
+        try:
+            return now - p.stat().st_mtime > REGION_GRACE_S
+        except FileNotFoundError:
+            return False
+
+    return [p for p in shm_dir.iterdir() if p.name not in mapped and (p.name.startswith(ours) or orphan_region(p))]
+
+
+def sweep(key: str, shm_dir: Path = SHM, since: set[str] | None = None, settle_s: float = 2.0) -> list[str]:
+    """Removes `deployment_objects`; retries for up to `settle_s` while killed processes still map some.
+    Returns the names removed."""
+    removed: list[str] = []
+    deadline = time.monotonic() + settle_s
+    while True:
+        for path in deployment_objects(key, shm_dir, since):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
+        held = [p for p in shm_dir.iterdir() if p.name.startswith(f"disagg_{key}_")]
+        if not held or time.monotonic() > deadline:
+            return removed
+        time.sleep(0.1)
+

@@ -1,0 +1,90 @@
+"""Brings dead engine instances back without a person.
+
+Triton does not restart a Python model whose stub process died: every later request to it fails with
+"Stub process ... is not healthy" and the model still reports READY. Engine instances publish their
+process id on the load board; the watchdog polls it and, for a model with a dead instance, unloads and
+loads that model through Triton's model-control API (the server must run with
+`--model-control-mode=explicit`; a plain reload of a loaded model is a no-op). The model is back in about
+1.5 s on the CPU default. A model that dies again within `STABLE_S` of its last restart waits twice as
+long as before (1, 2, 4 ... up to `MAX_BACKOFF_S`) so a crash loop does not monopolise the server. Each
+restart is logged and counted on the board (`load_board.count_restart`), which the engine models export
+as the metric `disagg_engine_restarts`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from disagg.triton import load_board
+
+POLL_S = 0.25
+STABLE_S = 60.0
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class _History:
+    restarts: int = 0
+    last: float = 0.0
+    backoff_s: float = 0.0
+    dead_pids: set[int] = field(default_factory=set)
+
+
+class Watchdog:
+    """Polls the board of deployment `key` on a thread of its own and reloads models whose instances died,
+    through `client` (a tritonclient InferenceServerClient). `log(line)` reports each event."""
+
+    def __init__(self, key: str, client, log=print):
+        self.key, self.client, self.log = key, client, log
+        self.history: dict[str, _History] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def halt(self) -> None:
+        """Stops reloading from now on, without waiting (safe in a signal handler)."""
+        self._stop.set()
+
+    def stop(self) -> None:
+        self.halt()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            for entry in load_board.entries(self.key):
+                if entry.load.pid and not entry.process_alive and not self._stop.is_set():
+                    self._heal(entry)
+
+    def _heal(self, entry: load_board.Entry) -> None:
+        h = self.history.setdefault(entry.model, _History())
+        if entry.load.pid in h.dead_pids:
+            return  # being healed, or waiting out its back-off
+        now = time.monotonic()
+        h.backoff_s = 0.0 if now - h.last > STABLE_S or not h.restarts else min(MAX_BACKOFF_S, max(1.0, 2 * h.backoff_s))
+        wait = h.last + h.backoff_s - now
+        h.dead_pids.add(entry.load.pid)
+        self.log(f"{entry.model}: instance {entry.instance} (pid {entry.load.pid}) died; reloading the model"
+                 + (f" in {wait:.0f} s (back-off after {h.restarts} restarts)" if wait > 0 else ""))
+        if wait > 0 and self._stop.wait(wait):
+            return
+        started = time.monotonic()
+        try:
+            self.client.unload_model(entry.model)
+            while self.client.is_model_ready(entry.model) and not self._stop.is_set():
+                time.sleep(0.05)
+            h.restarts += 1
+            load_board.count_restart(self.key, entry.model)
+            self.client.load_model(entry.model)
+        except Exception as exc:  # noqa: BLE001 - the next poll tries again
+            self.log(f"{entry.model}: reload failed: {exc}")
+            h.dead_pids.discard(entry.load.pid)
+            return
+        finally:
+            h.last = time.monotonic()
+        # The new instance publishes under the same name with its own pid, replacing the dead entry.
+        self.log(f"{entry.model}: reloaded in {time.monotonic() - started:.1f} s (restart {h.restarts})")
