@@ -9,9 +9,15 @@ backend's regions (`triton_python_backend_shm_region_*`) carry no deployment nam
 when no process maps it, and either it appeared while this server ran (`since`: what was there before it
 started) or it is older than REGION_GRACE_S (a region being created is not mapped yet), so another
 server's live regions are never touched.
+
+Python backend stubs can outlive their server too: a server that exits on its exit timeout does not wait
+for them, and they ignore SIGTERM. `end_orphan_stubs` ends those of a repository (adopted by init) before
+a server of it starts, and with them their mappings.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -75,3 +81,23 @@ def sweep(key: str, shm_dir: Path = SHM, since: set[str] | None = None, settle_s
             return removed
         time.sleep(0.1)
 
+
+
+def end_orphan_stubs(model_repository: Path) -> list[int]:
+    """SIGKILLs Python backend stubs of `model_repository`'s models whose server is gone (parent: init).
+    Returns their process ids."""
+    prefix = f"{Path(model_repository).resolve()}/"
+    ended = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == 1 and len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].decode(errors="replace").startswith(prefix):
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+                ended.append(int(stat.parent.name))
+            except ProcessLookupError:
+                pass
+    return ended

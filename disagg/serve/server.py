@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from pathlib import Path
 
+from disagg.serve.leftovers import end_orphan_stubs, sweep
 from disagg.serve.leftovers import names as shm_names
-from disagg.serve.leftovers import sweep
 from disagg.triton.contract import ENGINE_URL_ENV
 from disagg.triton.load_board import board_key
 
@@ -217,6 +217,8 @@ class TritonServer:
             raise ServerError("this TritonServer was already started")
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} is not a directory")
+        if end_orphan_stubs(self.model_repository):  # a killed server's stubs, which still map their regions
+            time.sleep(0.2)
         sweep(self.board_key)  # what a killed server of this deployment left behind
         self._shm_before = shm_names()
         self._workdir = Path(tempfile.mkdtemp(prefix="disagg-tritonserver-"))

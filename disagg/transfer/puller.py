@@ -20,7 +20,7 @@ from disagg.engine.kv_cache import KVShape, KVStorage
 from disagg.engine.kv_wire import SequenceKV
 from disagg.engine.paged_kv import PagedKV
 from disagg.transfer.params import ContextParamsError, ContextPhaseParams
-from disagg.transfer.shm import attach
+from disagg.transfer.shm import attach, lineage
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class KVPuller:
                     seg = attach(name)
                 except FileNotFoundError:
                     raise ContextParamsError(f"context_phase_params: shared memory segment {name!r} does not exist") from None
+                for old in [n for n in self._segments if lineage(n) == lineage(name)]:  # a restarted prefill's predecessor
+                    self._close(self._segments.pop(old))
                 self._segments[name] = seg
             return seg
 
@@ -126,9 +128,13 @@ class KVPuller:
             for conn in self._conns.values():
                 conn.close()
             for seg in self._segments.values():
-                try:
-                    seg.close()
-                except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-                    pass
+                self._close(seg)
             self._conns.clear()
             self._segments.clear()
+
+    @staticmethod
+    def _close(seg: shared_memory.SharedMemory) -> None:
+        try:
+            seg.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            pass

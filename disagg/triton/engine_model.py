@@ -35,7 +35,7 @@ from disagg.triton.tensors import EngineCall, parse_engine_call
 from disagg.transfer.agent import TransferAgent
 from disagg.transfer.params import ContextParamsError, ContextPhaseParams
 from disagg.transfer.puller import KVPuller
-from disagg.transfer.shm import SharedPool
+from disagg.transfer.shm import SharedPool, pool_name, unlink_predecessors
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_S = 0.02  # as the tensorrtllm configs' cancellation_check_period_ms
@@ -129,9 +129,11 @@ class TritonPythonModel:
         self.board_key = load_board.board_key(repository_root(args))
         self.pool = None
         if self.role == "prefill" and self.transport == "shm":
-            # Named by deployment and instance: a restarted instance replaces its killed predecessor's pool,
-            # and a server's start and stop sweep whatever a crash left (disagg.serve.leftovers).
-            self.pool = SharedPool(f"disagg_{self.board_key}_{self.instance}")
+            # Named by deployment, instance and process: a restarted instance removes its killed predecessor's
+            # pool, and a server's start and stop sweep whatever a crash left (disagg.serve.leftovers).
+            lineage = f"disagg_{self.board_key}_{self.instance}"
+            unlink_predecessors(lineage)
+            self.pool = SharedPool(pool_name(lineage))
         self.metrics = EngineMetrics(self.role, self.instance)
         self.metrics.restarts.set(load_board.restarts(self.board_key).get(self.name, 0))
         engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None)

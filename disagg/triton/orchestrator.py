@@ -61,6 +61,7 @@ PREFIX_TOKENS = 4
 _DONE = object()
 CANCEL_CHECK_S = 0.05
 STOP_TIMEOUT_S = 5.0  # for a `stop` or a drain: cleanup, never on a client's path
+DRAIN_WAIT_S = 10.0  # how long a drain waits for a dead decode to be reloaded (else the lease reclaims)
 # Inputs the orchestrator reads for itself, not forwarded: the client's `stream`, and `exclude_input_in_output`
 # (engines always stream to the orchestrator, so the prompt is put before a non-streamed answer here).
 OWN_INPUTS = ("streaming", "exclude_input_in_output")
@@ -335,6 +336,7 @@ class TritonPythonModel:
                 self._track(-1)
 
     def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float, reached: Reached) -> None:
+        self._check_live(self.decoders)  # no prefill work (and KV to hand off) for a request no decode can take
         prefill = self._pick(self.prefills)
         reached.models.append(prefill)
         try:
@@ -407,13 +409,20 @@ class TritonPythonModel:
         """Has a decode instance take a handoff and stop after one token. The tensorrtllm backend forgets a
         context-only request once it has answered, so a `stop` cannot free its KV: only a generation
         request that takes it can (the reference engine would also reclaim it when its lease runs out)."""
-        decode = self._pick(self.decoders)
         take = {**inputs, "request_output_len": _scalar(1, np.int32), "context_phase_params": params.reshape(1, -1)}
-        try:
-            with self._hop(decode, take, f"{request_id}-drain", "generation_only") as hop:
-                list(hop.results(STOP_TIMEOUT_S, lambda: False))
-        finally:
-            self._done(decode)
+        deadline = time.monotonic() + DRAIN_WAIT_S
+        while True:
+            decode = self._pick(self.decoders)
+            try:
+                with self._hop(decode, take, f"{request_id}-drain", "generation_only") as hop:
+                    list(hop.results(STOP_TIMEOUT_S, lambda: False))
+                return
+            except HopError as exc:  # every decode instance dead: wait for one to be reloaded
+                if "no live engine instance" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+            finally:
+                self._done(decode)
 
     def _stop(self, request_id: str, models: list[str]) -> None:
         """Sends `stop` for the request to each model it touched, which frees its KV there (held handoff
@@ -433,7 +442,7 @@ class TritonPythonModel:
 
     @contextlib.contextmanager
     def _hop(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
-        pids = {e.load.pid: e.instance for e in load_board.entries(self.board_key, model) if e.process_alive}
+        pids = self._check_live([model])
         hop = Hop(self.clients, self.engine_urls[model], model, inputs, request_id, request_type, pids)
         try:
             yield hop
@@ -441,6 +450,16 @@ class TritonPythonModel:
             self.closer.submit(hop.close, True)  # the engine may never finish the stream (timeout, hung engine)
             raise
         self.closer.submit(hop.close)  # closing a stream takes ~1 ms: not on the request's path
+
+    def _check_live(self, models: list[str]) -> dict[int, str]:
+        """The live instances' pids of `models` (as published); HopError when instances published and every
+        one has died: Triton would hold a request for a dead stub for seconds before refusing it."""
+        published = [e for m in models for e in load_board.entries(self.board_key, m)]
+        pids = {e.load.pid: e.instance for e in published if e.process_alive}
+        if published and not pids:
+            dead = ", ".join(f"{e.instance} (pid {e.load.pid})" for e in published)
+            raise HopError(f"{'/'.join(models)}: no live engine instance ({dead} died; it is being reloaded): retry shortly")
+        return pids
 
     @staticmethod
     def _quietly(fn) -> None:

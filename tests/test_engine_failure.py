@@ -1,0 +1,172 @@
+"""A dying engine under `disagg-serve`, as an OOM kill or a driver fault would do it: requests on it fail
+fast naming the hop, the watchdog brings it back, /ready tells the truth meanwhile, and nothing is left
+in shared memory after a stop, even a `kill -9` of the server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from disagg.engine.sampling import NO_END_ID
+from disagg.serve.leftovers import deployment_objects
+from disagg.serve.metrics import by_role, scrape
+from disagg.serve.server import free_ports
+from disagg.triton.load_board import board_key
+from tests.e2e_helpers import wait_kv_zero
+from tools.stream_client import stream
+
+pytestmark = pytest.mark.e2e
+
+NO_KV = {"prefill": 0, "decode": 0, "aggregated": 0}
+
+
+class Served:
+    """`disagg-serve` on free loopback ports, as a user runs it."""
+
+    def __init__(self, repo: Path, log: Path):
+        self.http, self.grpc, self.metrics, self.api = free_ports(4)
+        self.repo, self.log = repo, log
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "disagg-serve"), "--model-repository", str(repo), "--http-port", str(self.http),
+             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--openai-port", str(self.api)],
+            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 180
+        while "disagg-serve: ready" not in log.read_text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics}/metrics"
+
+    def probe(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.api}{path}", timeout=2) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as err:
+            return err.code, json.load(err)
+
+    def stub_pid(self, instance: str) -> int:
+        out = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{instance}"], capture_output=True, text=True).stdout.split()
+        assert len(out) == 1, out
+        return int(out[0])
+
+    def until(self, condition, timeout_s: float, what: str) -> float:
+        """Seconds until `condition()` holds; fails naming `what` after timeout_s."""
+        start = time.monotonic()
+        while not condition():
+            assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+    def serves(self) -> bool:
+        try:
+            return bool(stream(self.grpc_url, "ensemble", "Call me Ishmael.", 8, timeout_s=5).text)
+        except Exception:  # noqa: BLE001 - not yet
+            return False
+
+
+@pytest.fixture(scope="module")
+def served(cpu_tiny_project, tmp_path_factory):
+    s = Served(cpu_tiny_project / "model_repository", tmp_path_factory.mktemp("serve") / "disagg-serve.log")
+    yield s
+    if s.proc.poll() is None:
+        s.proc.kill()
+        s.proc.wait()
+
+
+def _restarts(served) -> dict[str, float]:
+    return by_role(scrape(served.metrics_url)).get("disagg_engine_restarts", {})
+
+
+def test_a_killed_decode_fails_its_requests_within_2_s_and_heals_within_5_s(served):
+    expected = {i: stream(served.grpc_url, "aggregated", f"prompt {i}", 250, end_id=NO_END_ID).text for i in range(4)}
+    outcomes: dict[int, tuple[str, str, float]] = {}
+
+    def one(i: int) -> None:
+        try:
+            text = stream(served.grpc_url, "ensemble", f"prompt {i}", 250, end_id=NO_END_ID, timeout_s=30).text
+            outcomes[i] = ("ok", text, time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - what the client sees is the point
+            outcomes[i] = ("error", str(exc), time.monotonic())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    os.kill(served.stub_pid("decode_0_0"), signal.SIGKILL)
+    killed = time.monotonic()
+    not_ready = served.until(lambda: served.probe("/ready")[0] == 503, 2.0, "/ready turning false")
+    assert served.probe("/live") == (200, {"live": True})  # healing, not dead
+    for t in threads:
+        t.join(30)
+    errors = [(msg, at - killed) for kind, msg, at in outcomes.values() if kind == "error"]
+    assert errors, "every stream finished before the kill: nothing was tested"
+    for msg, after in errors:
+        assert "decode: engine instance decode_0_0" in msg and "died while serving this request" in msg, msg
+        assert after < 2.0, f"failed {after:.1f} s after the kill"
+    assert all(text == expected[i] for i, (kind, text, _) in outcomes.items() if kind == "ok")
+    healed = served.until(served.serves, 5.0 - (time.monotonic() - killed), "serving again within 5 s of the kill")
+    healed = time.monotonic() - killed
+    status, body = served.probe("/ready")
+    assert status == 200 and body["engines"]["decode"]["alive"] == 1 and body["restarts"] == {"decode": 1}, body
+    assert stream(served.grpc_url, "ensemble", "prompt 0", 250, end_id=NO_END_ID).text == expected[0]
+    assert _restarts(served)["decode"] == 1
+    assert wait_kv_zero(served, timeout_s=10.0) == NO_KV
+    assert "decode: instance decode_0_0" in served.log.read_text() and "reloaded in" in served.log.read_text()
+    print(f"not ready after {not_ready:.2f} s, serving again {healed:.2f} s after the kill")
+
+
+def test_a_killed_prefill_heals_and_its_kv_pool_is_replaced(served):
+    key = board_key(served.repo)
+    [pool] = Path("/dev/shm").glob(f"disagg_{key}_prefill_0_0_*")
+    os.kill(served.stub_pid("prefill_0_0"), signal.SIGKILL)
+    served.until(lambda: served.probe("/ready")[0] == 503, 2.0, "/ready turning false")
+    served.until(served.serves, 5.0, "serving again")
+    assert served.probe("/ready")[0] == 200 and _restarts(served)["prefill"] == 1
+    [new_pool] = Path("/dev/shm").glob(f"disagg_{key}_prefill_0_0_*")  # the dead one's pool is gone
+    assert new_pool != pool and new_pool.name.endswith(f"_{served.stub_pid('prefill_0_0')}")
+
+
+def test_a_paused_decode_is_not_ready_until_it_resumes_and_its_requests_complete(served):
+    expected = stream(served.grpc_url, "aggregated", "paused", 120, end_id=NO_END_ID).text
+    result: dict[str, str] = {}
+    thread = threading.Thread(target=lambda: result.update(text=stream(served.grpc_url, "ensemble", "paused", 120,
+                                                                           end_id=NO_END_ID, timeout_s=30).text))
+    thread.start()
+    time.sleep(0.3)
+    pid = served.stub_pid("decode_0_0")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        served.until(lambda: served.probe("/ready")[0] == 503, 3.0, "/ready turning false for a stopped engine")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    served.until(lambda: served.probe("/ready")[0] == 200, 3.0, "/ready true again")
+    thread.join(30)
+    assert result.get("text") == expected  # a pause is not a death: nothing failed, nothing restarted
+    assert _restarts(served).get("decode") == 1
+
+
+def test_kill_9_of_the_server_leaves_nothing_in_shared_memory(served):
+    """Last in this module: kills the server. disagg-serve sees it exit and sweeps what the stubs left."""
+    key = board_key(served.repo)
+    triton = int(subprocess.run(["pgrep", "-P", str(served.proc.pid), "tritonserver"], capture_output=True, text=True).stdout.split()[0])
+    os.kill(triton, signal.SIGKILL)
+    served.proc.wait(30)
+    assert [p.name for p in deployment_objects(key)] == []
+    assert not list(Path("/dev/shm").glob(f"disagg*{key}*"))
