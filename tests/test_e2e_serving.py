@@ -25,6 +25,7 @@ from safetensors.numpy import load_file
 from disagg.cli import main
 from disagg.serve.metrics import by_role, scrape
 from disagg.text import load_tokenizer
+from disagg.triton import credential
 from disagg.triton.load_board import board_dir, board_key
 from tests.e2e_helpers import busy, cancelled_total, cancels_after, wait_kv_zero
 from tools.stream_client import StreamError, build_inputs, stream
@@ -257,7 +258,8 @@ def call_engine(server, model: str, inputs, request_type: str) -> list:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     out: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: out.put((result, error)))
-    client.async_stream_infer(model, inputs, parameters={"request_type": request_type}, enable_empty_final_response=True)
+    parameters = {"request_type": request_type, credential.PARAMETER: server.internal_key}
+    client.async_stream_infer(model, inputs, parameters=parameters, enable_empty_final_response=True)
     got = []
     while True:
         result, error = out.get(timeout=30)
@@ -267,6 +269,23 @@ def call_engine(server, model: str, inputs, request_type: str) -> list:
     client.stop_stream()
     client.close()
     return got
+
+
+@pytest.mark.parametrize("key", [None, "guessed"])
+def test_engine_models_refuse_callers_without_the_internal_credential(server, key):
+    """An outside client that sends context_only to prefill would hold KV for a lease: it is refused first."""
+    ids = [0, 41, 273, 77]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    parameters = {"request_type": "context_only"} | ({credential.PARAMETER: key} if key else {})
+    client.async_stream_infer("prefill", engine_inputs(ids, b"")[:3], parameters=parameters, enable_empty_final_response=True)
+    _, error = got.get(timeout=30)
+    client.stop_stream()
+    client.close()
+    assert error is not None and "prefill: engine models serve this deployment's orchestrators only" in error.message()
+    assert by_role(scrape(server.metrics_url))["disagg_kv_handoff_held"]["prefill"] == 0
+    assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}
 
 
 def test_forged_and_stale_context_phase_params_sent_to_decode(server):

@@ -8,6 +8,7 @@ import pytest
 
 from disagg.cli import main
 from disagg.serve.metrics import by_role, scrape
+from disagg.triton import credential
 from tools.stream_client import stream
 
 pytestmark = pytest.mark.e2e
@@ -17,7 +18,9 @@ FRONT = ["preprocessing", "postprocessing", "prefill", "disagg_orchestrator", "e
          "aggregated_engine", "aggregated_orchestrator", "aggregated"]  # fmt: skip
 
 
-def test_decode_on_another_server(new_project, start_triton):
+def test_decode_on_another_server(new_project, start_triton, monkeypatch):
+    """Both servers get the deployment's internal credential from the environment, as separate nodes would."""
+    monkeypatch.setenv(credential.INTERNAL_KEY_ENV, "a-secret-both-pools-share")
     project = new_project("two-servers")
     with contextlib.chdir(project):
         assert main(["--config", "configs/cpu-tiny.yaml"]) == 0

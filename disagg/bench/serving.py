@@ -32,6 +32,7 @@ from disagg.engine.loop import EngineLoop
 from disagg.transfer.agent import TransferAgent
 from disagg.transfer.puller import KVPuller
 from disagg.transfer.shm import SharedPool
+from disagg.triton.credential import PARAMETER
 
 
 def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
@@ -41,9 +42,11 @@ def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
 
 
 class Streamer:
-    """One gRPC stream reused for sequential requests; returns response arrival times."""
+    """One gRPC stream reused for sequential requests; returns response arrival times. `credential`: the
+    request parameters that let it call engine models directly (disagg.triton.credential)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, internal_key: str = ""):
+        self.credential = {PARAMETER: internal_key}
         self.client = grpcclient.InferenceServerClient(url)
         self.responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((time.perf_counter(), result, error)))
@@ -103,11 +106,11 @@ def orchestration_overhead(requests: int, max_tokens: int) -> list[str]:
         "ensemble (disaggregated)": lambda s: s.call("ensemble", _text_inputs(prompt, max_tokens)),
         "prefill + decode, direct": lambda s: _direct_disaggregated(s, ids, max_tokens),
         "aggregated (ensemble)": lambda s: s.call("aggregated", _text_inputs(prompt, max_tokens)),
-        "aggregated_engine, direct": lambda s: s.call("aggregated_engine", _engine_inputs(ids, max_tokens)),
+        "aggregated_engine, direct": lambda s: s.call("aggregated_engine", _engine_inputs(ids, max_tokens), s.credential),
     }
     samples: dict[str, list[tuple]] = {name: [] for name in paths}  # (e2e, ttft, mean gap, responses)
     with TritonServer(spec.model_repository, log_path=Path("build/bench-serving.log")) as server:
-        streamer = Streamer(server.grpc_url)
+        streamer = Streamer(server.grpc_url, server.internal_key)
         try:
             for run in paths.values():
                 for _ in range(5):
@@ -134,9 +137,9 @@ def orchestration_overhead(requests: int, max_tokens: int) -> list[str]:
 def _direct_disaggregated(streamer: Streamer, ids: list[int], max_tokens: int):
     """The client does the orchestrator's job: context_only on prefill, then generation_only on decode."""
     t0 = time.perf_counter()
-    _, stamps, results = streamer.call("prefill", _engine_inputs(ids, max_tokens), {"request_type": "context_only"})
+    _, stamps, results = streamer.call("prefill", _engine_inputs(ids, max_tokens), {"request_type": "context_only", **streamer.credential})
     params = results[-1].as_numpy("context_phase_params")
-    _, more, _ = streamer.call("decode", _engine_inputs(ids, max_tokens, params), {"request_type": "generation_only"})
+    _, more, _ = streamer.call("decode", _engine_inputs(ids, max_tokens, params), {"request_type": "generation_only", **streamer.credential})
     offset = stamps[-1]
     return time.perf_counter() - t0, [stamps[0], *(offset + s for s in more)], None
 

@@ -4,7 +4,7 @@ A server stopped in order removes its own objects (engine models withdraw their 
 unlink their KV pools, the Python backend its regions). One that crashed, or was killed with its stubs,
 leaves them behind: the prefill KV pool alone is the size of the KV cache. Everything of a deployment is
 named by its board key (`disagg-load-<key>-*`, `disagg-cancel-<key>-*`, `disagg-restarts-<key>`,
-`disagg_<key>_*` KV pools), so `sweep` removes it before a server starts and after it stops. The Python
+`disagg-internal-<key>`, `disagg_<key>_*` KV pools), so `sweep` removes it before a server starts and after it stops. The Python
 backend's regions (`triton_python_backend_shm_region_*`) carry no deployment name: one is removed only
 when no process maps it, and either it appeared while this server ran (`since`: what was there before it
 started) or it is older than REGION_GRACE_S (a region being created is not mapped yet), so another
@@ -48,7 +48,7 @@ def names(shm_dir: Path = SHM) -> set[str]:
 
 def deployment_objects(key: str, shm_dir: Path = SHM, since: set[str] | None = None) -> list[Path]:
     """The deployment's own objects, and backend regions nobody maps (see the module's docstring)."""
-    ours = (f"disagg-load-{key}-", f"disagg-cancel-{key}-", f"disagg-restarts-{key}", f"disagg_{key}_")
+    ours = (f"disagg-load-{key}-", f"disagg-cancel-{key}-", f"disagg-restarts-{key}", f"disagg-internal-{key}", f"disagg_{key}_")
     mapped, now = mapped_names(shm_dir), time.time()
 
     def orphan_region(p: Path) -> bool:

@@ -30,6 +30,7 @@ from pathlib import Path
 from disagg.serve.leftovers import end_orphan_stubs, sweep
 from disagg.serve.leftovers import names as shm_names
 from disagg.triton.contract import ENGINE_URL_ENV
+from disagg.triton.credential import internal_key
 from disagg.triton.load_board import board_key
 
 _PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -177,6 +178,12 @@ class TritonServer:
     def board_key(self) -> str:
         """The key naming this deployment's shared-memory objects (disagg.triton.load_board)."""
         return board_key(self.model_repository)
+
+    @property
+    def internal_key(self) -> str:
+        """The credential engine models ask of their callers (disagg.triton.credential), for tests and
+        benchmarks that call them directly."""
+        return internal_key(self.board_key)
 
     @property
     def client_host(self) -> str:

@@ -13,6 +13,7 @@ FORWARDED_INPUTS = (
 SET_INPUTS = ("streaming", "context_phase_params", "stop")
 OUTPUTS_READ = ("output_ids", "context_phase_params")
 REQUEST_PARAMETERS = ("request_type",)  # its values: disagg.engine.engine.REQUEST_TYPES
+# (plus the reference engine's `disagg_internal_key`, disagg.triton.credential: the tensorrtllm backend has none)
 # The tensorrtllm backend's answer to a context-only request that ended in its context phase (end_id first,
 # or one output token): the executor gives it no context phase params, and model_instance_state.cc
 # fillTritonResponse throws this, which its catch sends as the response's error.

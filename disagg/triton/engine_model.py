@@ -26,7 +26,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.loop import EngineLoop
-from disagg.triton import load_board
+from disagg.triton import credential, load_board
 from disagg.triton.cancel_board import Throttle
 from disagg.triton.contract import CONTEXT_PARAMS_MISSING
 from disagg.triton.metrics import EngineMetrics
@@ -127,6 +127,7 @@ class TritonPythonModel:
         self.transport = model_param(args, "kv_transfer_backend")
         self.instance = args["model_instance_name"]
         self.board_key = load_board.board_key(repository_root(args))
+        self.internal_key = credential.internal_key(self.board_key)
         self.pool = None
         if self.role == "prefill" and self.transport == "shm":
             # Named by deployment, instance and process: a restarted instance removes its killed predecessor's
@@ -158,6 +159,12 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            if not credential.presented(json.loads(request.parameters() or "{}"), self.internal_key):
+                error = pb_utils.TritonError(
+                    f"{self.name}: engine models serve this deployment's orchestrators only: the request parameter "
+                    f"{credential.PARAMETER} is missing or wrong (send text to the ensemble, or see disagg.triton.credential)")
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                continue
             try:
                 call = parse_engine_call(request, pb_utils)
             except RequestError as exc:

@@ -48,7 +48,7 @@ import triton_python_backend_utils as pb_utils
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
-from disagg.triton import cancel_board, load_board
+from disagg.triton import cancel_board, credential, load_board
 from disagg.triton.contract import (
     CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
     rename_inputs,
@@ -129,7 +129,7 @@ class Hop:
     never answers a request whose stub was killed."""
 
     def __init__(self, clients: ClientPool, url: str, model: str, inputs: dict[str, np.ndarray], request_id: str,
-                 request_type: str, pids: dict[int, str] | None = None):
+                 request_type: str, key: str, pids: dict[int, str] | None = None):
         self.model = model
         self.pids = pids or {}
         self.results_queue: queue.Queue = queue.Queue()
@@ -142,7 +142,7 @@ class Hop:
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
         self.client.async_stream_infer(
-            model, tensors, request_id=request_id, parameters={"request_type": request_type},
+            model, tensors, request_id=request_id, parameters={"request_type": request_type, credential.PARAMETER: key},
             outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS_READ], enable_empty_final_response=True,
         )
 
@@ -255,6 +255,7 @@ class TritonPythonModel:
             self.decoders = model_param(args, "generation_model_name").split(",")
             self.engines = [*self.prefills, *self.decoders]
         self.board_key = load_board.board_key(repository_root(args))
+        self.internal_key = credential.internal_key(self.board_key)
         self.instance = args["model_instance_name"]
         cancel_board.remove_leftovers(self.board_key, self.instance)
         local = os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL)
@@ -443,7 +444,7 @@ class TritonPythonModel:
     @contextlib.contextmanager
     def _hop(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
         pids = self._check_live([model])
-        hop = Hop(self.clients, self.engine_urls[model], model, inputs, request_id, request_type, pids)
+        hop = Hop(self.clients, self.engine_urls[model], model, inputs, request_id, request_type, self.internal_key, pids)
         try:
             yield hop
         except BaseException:
