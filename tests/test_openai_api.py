@@ -179,6 +179,14 @@ def test_seeded_sampling_equals_the_ensemble_and_unseeded_requests_differ(client
     assert len(unseeded) > 1  # OpenAI's default is to sample, with a fresh seed each time
 
 
+def test_a_body_over_4_mb_is_refused_unparsed(front):
+    conn = _raw_post(front, "/v1/completions", {"model": "ensemble", "prompt": "word " * 1_000_000})
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 413 and body["error"]["message"] == "the request body is 5000035 bytes, over the limit 4194304"
+
+
 def test_echo_returns_the_prompt_first(client):
     plain = client.completions.create(model="ensemble", prompt="Call me Ishmael.", max_tokens=8, temperature=0)
     echoed = client.completions.create(model="ensemble", prompt="Call me Ishmael.", max_tokens=8, temperature=0, echo=True)

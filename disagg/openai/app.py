@@ -31,6 +31,7 @@ from disagg.serve.health import report
 from disagg.triton.preprocessing import InputError
 
 _DISCONNECT_POLL_S = 0.1
+MAX_BODY_BYTES = 4 << 20  # far above any prompt the engines accept; a larger body is refused unread
 
 
 @dataclass
@@ -172,8 +173,11 @@ def create_app(deployment: Deployment, grpc_url: str) -> FastAPI:
         return _error_response(exc)
 
     async def body_of(request: Request, schema):
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(f"the request body is {len(raw)} bytes, over the limit {MAX_BODY_BYTES}", status=413)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except ValueError:
             raise APIError("We could not parse the JSON body of your request.") from None
         if not isinstance(body, dict):
@@ -237,7 +241,7 @@ def create_app(deployment: Deployment, grpc_url: str) -> FastAPI:
     async def completions(request: Request):
         req = await body_of(request, CompletionRequest)
         prompt = req.prompt_text()
-        gen = _prepare(deployment, req, prompt, req.max_tokens, "prompt")
+        gen = await asyncio.to_thread(_prepare, deployment, req, prompt, req.max_tokens, "prompt")  # tokenizing: off the loop
         ident, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = prompt if req.echo else ""
 
@@ -263,7 +267,7 @@ def create_app(deployment: Deployment, grpc_url: str) -> FastAPI:
             raise APIError(str(exc), param="messages") from None
         except TemplateError as exc:
             raise APIError(f"messages: {exc}", param="messages") from None
-        gen = _prepare(deployment, req, text, req.token_limit(), "messages")
+        gen = await asyncio.to_thread(_prepare, deployment, req, text, req.token_limit(), "messages")
         ident, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def base(choices: list, kind: str) -> dict:

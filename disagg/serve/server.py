@@ -301,6 +301,10 @@ class TritonServer:
             # remove what they can no longer remove themselves.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline:  # until the group is gone: a dying stub still maps its region
+                    os.killpg(self.process.pid, 0)
+                    time.sleep(0.05)
             sweep(self.board_key, since=self._shm_before)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
