@@ -1,7 +1,7 @@
-"""`python -m loadtest report|compare ...`"""
+"""`python -m loadtest report|compare|soak ...`"""
 import sys
 
-COMMANDS = ("report", "compare")
+COMMANDS = ("report", "compare", "soak")
 
 
 def main(argv: list[str]) -> int:
@@ -10,8 +10,10 @@ def main(argv: list[str]) -> int:
         return 2
     if argv[0] == "report":
         from loadtest.report import main as command
-    else:
+    elif argv[0] == "compare":
         from loadtest.compare import main as command
+    else:
+        from loadtest.soak import main as command
     return command(argv[1:])
 
 

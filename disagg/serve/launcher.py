@@ -11,8 +11,9 @@ flag says otherwise. Runs the server with `--model-control-mode=explicit --load-
 another mode, so that a watchdog (disagg.serve.watchdog) can reload an engine model whose instance died.
 Once every model is loaded it starts the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, and `/ready` + `/live` for probes; disagg/openai) on --openai-port, on the same address as
-HTTP, then prints "ready". SIGINT/SIGTERM go to the server; the API stops with it; the exit code is the
-server's. The server gets 5 s to finish its requests on a stop (--exit-timeout-secs).
+HTTP, then prints "ready". A server that dies on its own is started again on the same ports (`_supervise`);
+SIGINT/SIGTERM go to the server; the API stops with it; the exit code is the server's. The server gets
+5 s to finish its requests on a stop (--exit-timeout-secs).
 """
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ import argparse
 import shlex
 import signal
 import sys
+import time
 
 from disagg.serve.openai_front import OpenAIFront
 from disagg.serve.server import ServerError, TritonServer
 from disagg.serve.watchdog import Watchdog
 
 _PREFIX = "disagg-serve:"
+MAX_SERVER_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,22 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     if control is None:
         control = "explicit"
         passthrough += ["--model-control-mode=explicit", "--load-model=*"]
-    server = TritonServer(
-        first,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        address=None if chooses_address else "127.0.0.1",
-        extra_args=[*(f"--model-repository={r}" for r in more), *passthrough],
-        exit_timeout_s=args.exit_timeout_secs,
-        backend_dir=args.backend_directory,
-    )
+
+    def new_server() -> TritonServer:
+        return TritonServer(
+            first,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            address=None if chooses_address else "127.0.0.1",
+            extra_args=[*(f"--model-repository={r}" for r in more), *passthrough],
+            exit_timeout_s=args.exit_timeout_secs,
+            backend_dir=args.backend_directory,
+        )
+
+    server = new_server()
     try:
         server.start()
     except ServerError as exc:
         print(f"{_PREFIX} error: {exc}", file=sys.stderr)
         return 2
     signalled: list[int] = []
+    current = [server]  # the running server, for the signal handler
     watchdog = None
     if control == "explicit":
         import tritonclient.http as httpclient
@@ -94,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         signalled.append(signum)
         if watchdog is not None:
             watchdog.halt()  # the models are being unloaded on purpose now
-        if server.process.poll() is None:
-            server.process.send_signal(signum)
+        if current[0].process.poll() is None:
+            current[0].process.send_signal(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
@@ -118,17 +127,37 @@ def main(argv: list[str] | None = None) -> int:
             front.start().wait_ready()
             print(f"{_PREFIX} OpenAI-compatible API on {front.base_url}", flush=True)
         print(f"{_PREFIX} ready", flush=True)
+        code = _supervise(current, new_server, signalled, args.ready_timeout_secs)
     except ServerError as exc:
+        code = 1
         if not signalled:
             print(f"{_PREFIX} error: {exc}", file=sys.stderr)
-            for part in (watchdog, front, server):
-                if part is not None:
-                    part.stop()
-            return 1
-    code = server.wait()
-    if watchdog is not None:
-        watchdog.stop()
-    if front is not None:
-        front.stop()
-    server.stop()
+    for part in (watchdog, front, current[0]):
+        if part is not None:
+            part.stop()
     return code if code >= 0 else 128 - code
+
+
+def _supervise(current: list[TritonServer], new_server, signalled: list[int], ready_timeout_s: float) -> int:
+    """Waits for the server; one that dies on its own (a crash, not a signal from us) is started again, on
+    the same ports, after 1, 2, 4 ... s (at most MAX_SERVER_RESTARTS times within RESTART_WINDOW_S). The
+    API and the watchdog carry on: they reach the new server at the same addresses. Returns the exit code."""
+    crashes: list[float] = []
+    while True:
+        code = current[0].wait()
+        if signalled:
+            return code
+        now = time.monotonic()
+        crashes = [t for t in crashes if now - t < RESTART_WINDOW_S] + [now]
+        if len(crashes) > MAX_SERVER_RESTARTS:
+            print(f"{_PREFIX} tritonserver exited with code {code} {len(crashes)} times in {RESTART_WINDOW_S:.0f} s; giving up", flush=True)
+            return code
+        current[0].stop()  # sweeps what the dead server left
+        delay = 2.0 ** (len(crashes) - 1)
+        print(f"{_PREFIX} tritonserver exited with code {code}; starting it again in {delay:.0f} s (server restart {len(crashes)})", flush=True)
+        time.sleep(delay)
+        if signalled:
+            return code
+        current[0] = new_server().start()
+        current[0].wait_ready(ready_timeout_s)
+        print(f"{_PREFIX} ready again", flush=True)

@@ -64,6 +64,11 @@ class Watchdog:
         h = self.history.setdefault(entry.model, _History())
         if entry.load.pid in h.dead_pids:
             return  # being healed, or waiting out its back-off
+        try:
+            if not self.client.is_server_live():
+                return
+        except Exception:  # noqa: BLE001 - the server itself is down: its supervisor restarts it, not us
+            return
         now = time.monotonic()
         h.backoff_s = 0.0 if now - h.last > STABLE_S or not h.restarts else min(MAX_BACKOFF_S, max(1.0, 2 * h.backoff_s))
         wait = h.last + h.backoff_s - now
