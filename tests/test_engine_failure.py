@@ -163,10 +163,14 @@ def test_a_paused_decode_is_not_ready_until_it_resumes_and_its_requests_complete
 
 
 def test_kill_9_of_the_server_leaves_nothing_in_shared_memory(served):
-    """Last in this module: kills the server. disagg-serve sees it exit and sweeps what the stubs left."""
+    """Last in this module: kills the server. disagg-serve sweeps what the stubs left and starts it again;
+    after its own stop nothing is left either."""
     key = board_key(served.repo)
     triton = int(subprocess.run(["pgrep", "-P", str(served.proc.pid), "tritonserver"], capture_output=True, text=True).stdout.split()[0])
     os.kill(triton, signal.SIGKILL)
-    served.proc.wait(30)
+    served.until(lambda: "disagg-serve: ready again" in served.log.read_text(), 60.0, "the server started again")
+    assert served.serves()
+    served.proc.send_signal(signal.SIGTERM)
+    served.proc.wait(60)
     assert [p.name for p in deployment_objects(key)] == []
     assert not list(Path("/dev/shm").glob(f"disagg*{key}*"))

@@ -21,6 +21,7 @@ from disagg.engine.loop import EngineLoop
 from disagg.engine.sampling import SamplingParams
 from disagg.transfer.agent import TransferAgent
 from disagg.transfer.params import ContextPhaseParams
+from disagg.triton.credential import PARAMETER
 from disagg.triton.tensors import EngineCall
 
 FINAL = 1
@@ -81,6 +82,9 @@ class Sender:
         return got
 
 
+KEY = "test-internal-key"
+
+
 class FakeRequest:
     def __init__(self, request_id: str, request_type: str = "context_and_generation", sender=None, **inputs):
         self.inputs = {name: Tensor(name, np.asarray([value])) for name, value in inputs.items()}
@@ -90,7 +94,7 @@ class FakeRequest:
         return self._id
 
     def parameters(self):
-        return json.dumps({"request_type": self._type})
+        return json.dumps({"request_type": self._type, PARAMETER: KEY})
 
     def get_response_sender(self):
         return self.sender
@@ -133,7 +137,7 @@ def instance(engine_model, factory):
         model = engine_model.TritonPythonModel.__new__(engine_model.TritonPythonModel)
         model.loop = EngineLoop(factory.engine(role=role))
         model.agent = TransferAgent(model.loop, "tcp") if role == "prefill" else None
-        model.streams, model._lock = {}, threading.Lock()
+        model.streams, model._lock, model.internal_key, model.name = {}, threading.Lock(), KEY, role
         made.append(model)
         return model
 
