@@ -102,6 +102,10 @@ class Deployment:
     def http_url(self) -> str:
         return f"127.0.0.1:{self.http}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics}/metrics"
+
     def stub(self, instance: str) -> int:
         out = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{instance}"], capture_output=True, text=True).stdout.split()
         return int(out[0]) if out else 0
@@ -215,7 +219,7 @@ def run(repo: Path, duration_s: float, clients: int, pause_s: float, log: Path) 
     report.outcomes, report.errors = dict(outcomes), dict(errors.most_common(12))
     deadline = time.monotonic() + 15
     while True:  # in-flight cleanup (stops, drains) settles within seconds
-        metrics = by_role(scrape(f"http://127.0.0.1:{dep.metrics}/metrics"))
+        metrics = by_role(scrape(dep.metrics_url))
         report.kv_blocks_in_use = metrics.get("disagg_kv_blocks_in_use", {})
         report.handoffs_held = sum(metrics.get("disagg_kv_handoff_held", {}).values())
         if (not any(report.kv_blocks_in_use.values()) and not report.handoffs_held) or time.monotonic() > deadline:

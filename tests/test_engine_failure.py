@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -20,8 +18,8 @@ import pytest
 from disagg.engine.sampling import NO_END_ID
 from disagg.serve.leftovers import deployment_objects
 from disagg.serve.metrics import by_role, scrape
-from disagg.serve.server import free_ports
 from disagg.triton.load_board import board_key
+from loadtest.soak import Deployment
 from tests.e2e_helpers import wait_kv_zero
 from tools.stream_client import stream
 
@@ -30,29 +28,8 @@ pytestmark = pytest.mark.e2e
 NO_KV = {"prefill": 0, "decode": 0, "aggregated": 0}
 
 
-class Served:
-    """`disagg-serve` on free loopback ports, as a user runs it."""
-
-    def __init__(self, repo: Path, log: Path):
-        self.http, self.grpc, self.metrics, self.api = free_ports(4)
-        self.repo, self.log = repo, log
-        self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "disagg-serve"), "--model-repository", str(repo), "--http-port", str(self.http),
-             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--openai-port", str(self.api)],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 180
-        while "disagg-serve: ready" not in log.read_text():
-            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics}/metrics"
+class Served(Deployment):
+    """`disagg-serve` on free loopback ports, as a user runs it (the soak's deployment), with probes."""
 
     def probe(self, path: str) -> tuple[int, dict]:
         try:
@@ -62,9 +39,9 @@ class Served:
             return err.code, json.load(err)
 
     def stub_pid(self, instance: str) -> int:
-        out = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{instance}"], capture_output=True, text=True).stdout.split()
-        assert len(out) == 1, out
-        return int(out[0])
+        pid = self.stub(instance)
+        assert pid, f"no stub process for {instance}"
+        return pid
 
     def until(self, condition, timeout_s: float, what: str) -> float:
         """Seconds until `condition()` holds; fails naming `what` after timeout_s."""
@@ -166,8 +143,7 @@ def test_kill_9_of_the_server_leaves_nothing_in_shared_memory(served):
     """Last in this module: kills the server. disagg-serve sweeps what the stubs left and starts it again;
     after its own stop nothing is left either."""
     key = board_key(served.repo)
-    triton = int(subprocess.run(["pgrep", "-P", str(served.proc.pid), "tritonserver"], capture_output=True, text=True).stdout.split()[0])
-    os.kill(triton, signal.SIGKILL)
+    os.kill(served.triton_pid, signal.SIGKILL)
     served.until(lambda: "disagg-serve: ready again" in served.log.read_text(), 60.0, "the server started again")
     assert served.serves()
     served.proc.send_signal(signal.SIGTERM)

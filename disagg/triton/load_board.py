@@ -98,19 +98,16 @@ def model_load(key: str, model: str) -> Load | None:
     return Load(sum(x.in_flight for x in loads), sum(x.free_blocks for x in loads), max(x.updated for x in loads))
 
 
-def dead_pids(key: str, model: str) -> set[int]:
-    """Process ids of `model`'s instances that published and have died since."""
-    return {e.load.pid for e in entries(key, model) if e.load.pid and not e.process_alive}
-
-
 def least_loaded(key: str, models: list[str], dispatched: dict[str, int]) -> str:
     """A model none of whose instances is known dead, if there is one; among those, fewest sequences in
     flight first, then most free KV blocks. `dispatched` counts requests this orchestrator sent and still
     streams, which covers the time before the board shows them."""
     def score(model: str) -> tuple[bool, int, int]:
-        load = model_load(key, model)
-        in_flight = max(load.in_flight if load else 0, dispatched.get(model, 0))
-        return bool(dead_pids(key, model)), in_flight, -(load.free_blocks if load else 0)
+        published = entries(key, model)  # read once: liveness and load come from the same files
+        live = [e.load for e in published if e.fresh and e.process_alive]
+        dead = any(e.load.pid and not e.process_alive for e in published)
+        in_flight = max(sum(x.in_flight for x in live), dispatched.get(model, 0))
+        return dead, in_flight, -sum(x.free_blocks for x in live)
 
     return min(models, key=score)
 
