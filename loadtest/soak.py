@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from disagg.engine.sampling import NO_END_ID
 from disagg.serve.leftovers import deployment_objects
@@ -131,6 +132,8 @@ def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
             if error is not None:
                 return f"error: {error.message()}"
         return "cancelled"
+    except InferenceServerException as exc:  # e.g. the stream broke before the request was sent
+        return f"error: {exc.message()}"
     except queue.Empty:
         return "hung"
     finally:
@@ -181,17 +184,27 @@ def _served_again(dep: Deployment, since: float, limit_s: float = 30.0) -> float
     return None
 
 
-def _inject(dep: Deployment, fault: str, pause_s: float) -> None:
+def _resume_later(pid: int, pause_s: float) -> None:
+    time.sleep(pause_s)
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass  # the watchdog ended it
+
+
+def _inject(dep: Deployment, fault: str, pause_s: float) -> threading.Thread | None:
+    """Injects `fault`; a pause resumes on the returned thread, so recovery is timed from the stop."""
     instance = "prefill_0_0" if "prefill" in fault else "decode_0_0"
     pid = dep.stub(instance)
     if not pid:
         raise RuntimeError(f"no stub process for {instance}")
     if fault.startswith("kill"):
         os.kill(pid, signal.SIGKILL)
-    else:
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(pause_s)
-        os.kill(pid, signal.SIGCONT)
+        return None
+    os.kill(pid, signal.SIGSTOP)
+    resume = threading.Thread(target=_resume_later, args=(pid, pause_s), daemon=True)
+    resume.start()
+    return resume
 
 
 def run(repo: Path, duration_s: float, clients: int, pause_s: float, log: Path) -> Report:
@@ -207,9 +220,11 @@ def run(repo: Path, duration_s: float, clients: int, pause_s: float, log: Path) 
         for at, fault in FAULTS:
             time.sleep(max(0.0, started + at * duration_s - time.monotonic()))
             injected = time.monotonic()
-            _inject(dep, fault, pause_s)
+            resume = _inject(dep, fault, pause_s)
             report.faults.append({"fault": fault, "at_s": round(injected - started, 1),
                                   "served_again_after_s": _served_again(dep, injected)})
+            if resume:
+                resume.join()
             print(f"soak: {fault} at {injected - started:.0f} s; served again after {report.faults[-1]['served_again_after_s']} s", flush=True)
         time.sleep(max(0.0, started + duration_s - time.monotonic()))
     finally:

@@ -1,5 +1,6 @@
 """The soak, short: 30 s of streaming load with cancellations and bad inputs, decode and prefill stubs
-killed with -9 and decode stopped for 1 s (`python -m loadtest soak --duration 300` is the full run)."""
+killed with -9 and decode stopped (SIGSTOP) for 5 s (`python -m loadtest soak --duration 300` is the full
+run)."""
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,14 @@ pytestmark = pytest.mark.e2e
 
 
 def test_a_short_soak_hangs_nothing_leaks_nothing_and_heals_every_fault(cpu_tiny_project, tmp_path):
-    report = run(cpu_tiny_project / "model_repository", duration_s=30, clients=4, pause_s=1.0, log=tmp_path / "soak.log")
-    assert report.failures() == [], (report, (tmp_path / "soak.log").read_text()[-3000:])
+    log = tmp_path / "soak.log"
+    report = run(cpu_tiny_project / "model_repository", duration_s=30, clients=4, pause_s=5.0, log=log)
+    events = [line for line in log.read_text().splitlines()
+              if line.startswith("disagg-serve:") or "Signal" in line or "terminate" in line or "exception" in line]
+    assert report.failures() == [], (report, events[-40:])
     assert [f["fault"] for f in report.faults] == ["kill -9 decode", "kill -9 prefill", "pause decode"]
     assert all(f["served_again_after_s"] < 5.0 for f in report.faults), report
     assert report.outcomes.get("completed", 0) > 100 and report.outcomes.get("bad_input_refused", 0) > 10
     assert report.outcomes.get("hung", 0) == 0 and report.server_restarts == 0
-    assert report.engine_restarts["prefill"] >= 1 and report.engine_restarts["decode"] >= 1, report.engine_restarts
+    assert report.engine_restarts["prefill"] >= 1 and report.engine_restarts["decode"] >= 2, report.engine_restarts
+    assert any("has been stopped for" in line for line in events), events

@@ -9,9 +9,17 @@ loads that model through Triton's model-control API (the server must run with
 long as before (1, 2, 4 ... up to `MAX_BACKOFF_S`) so a crash loop does not monopolise the server. Each
 restart is logged and counted on the board (`load_board.count_restart`), which the engine models export
 as the metric `disagg_engine_restarts`.
+
+A stopped instance (SIGSTOP, state T) is ended after `STOPPED_LIMIT_S` and then reloaded like a dead one.
+Triton 2.51's Python backend cannot take a stub back after a stop: the parent fails its requests after a
+second ("Stub process ... is not healthy"), the resumed stub aborts on an interprocess lock
+(`boost::interprocess::lock_exception`), and unloading it then aborted tritonserver too. A stub killed
+while stopped is unloaded and reloaded cleanly, like any other dead one.
 """
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +29,7 @@ from disagg.triton import load_board
 POLL_S = 0.25
 STABLE_S = 60.0
 MAX_BACKOFF_S = 30.0
+STOPPED_LIMIT_S = 0.5
 
 
 @dataclass
@@ -38,6 +47,7 @@ class Watchdog:
     def __init__(self, key: str, client, log=print):
         self.key, self.client, self.log = key, client, log
         self.history: dict[str, _History] = {}
+        self._stopped_since: dict[int, float] = {}  # pid -> when it was first seen stopped
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
@@ -57,8 +67,27 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             for entry in load_board.entries(self.key):
-                if entry.load.pid and not entry.process_alive and not self._stop.is_set():
+                if not entry.load.pid or self._stop.is_set():
+                    continue
+                state = load_board.process_state(entry.load.pid)
+                if state in (None, "Z"):
                     self._heal(entry)
+                elif state == "T":
+                    self._end_if_stopped_too_long(entry)
+                else:
+                    self._stopped_since.pop(entry.load.pid, None)
+
+    def _end_if_stopped_too_long(self, entry: load_board.Entry) -> None:
+        since = self._stopped_since.setdefault(entry.load.pid, time.monotonic())
+        if time.monotonic() - since < STOPPED_LIMIT_S:
+            return
+        self.log(f"{entry.model}: instance {entry.instance} (pid {entry.load.pid}) has been stopped for "
+                 f"{time.monotonic() - since:.1f} s; ending it (a stub resumed after a stop aborts)")
+        try:
+            os.kill(entry.load.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        del self._stopped_since[entry.load.pid]
 
     def _heal(self, entry: load_board.Entry) -> None:
         h = self.history.setdefault(entry.model, _History())

@@ -51,15 +51,21 @@ class Entry:
         return time.time() - self.load.updated < STALE_S
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (a killed stub stays one until Triton reaps it)."""
+def process_state(pid: int) -> str | None:
+    """The state letter of process `pid` in /proc (R, S, D, T for stopped, Z for a zombie ...); None when
+    there is no such process."""
     if pid <= 0:
-        return False
+        return None
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a killed stub stays one until Triton reaps it)."""
+    return process_state(pid) not in (None, "Z")
 
 
 def _path(key: str, model: str, instance: str) -> Path:

@@ -1,0 +1,95 @@
+"""The watchdog on a board of real processes (a `sleep` stands in for a stub) with a recording client in
+place of Triton's: a dead instance's model is unloaded and loaded once; a stopped one is ended after
+STOPPED_LIMIT_S and then reloaded; a running one is left alone."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from dataclasses import asdict
+
+import pytest
+
+from disagg.serve import watchdog
+from disagg.triton import load_board
+
+KEY = "watchdogtest"
+
+
+class RecordingClient:
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def is_server_live(self) -> bool:
+        return True
+
+    def is_model_ready(self, model: str) -> bool:
+        return False
+
+    def unload_model(self, model: str) -> None:
+        self.calls.append(("unload", model))
+
+    def load_model(self, model: str) -> None:
+        self.calls.append(("load", model))
+
+
+@pytest.fixture()
+def board(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISAGG_LOAD_BOARD", str(tmp_path))
+    procs: list[subprocess.Popen] = []
+
+    def instance(model: str) -> subprocess.Popen:
+        proc = subprocess.Popen(["sleep", "60"])
+        procs.append(proc)
+        load = load_board.Load(0, 10, time.time(), proc.pid)
+        (tmp_path / f"disagg-load-{KEY}-{model}-{model}_0_0.json").write_text(json.dumps(asdict(load)))
+        return proc
+
+    yield instance
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_dead_instance_is_reloaded_once_and_a_running_one_is_left_alone(board):
+    dead, running = board("decode"), board("prefill")
+    dead.kill()
+    dead.wait()
+    client, lines = RecordingClient(), []
+    dog = watchdog.Watchdog(KEY, client, log=lines.append).start()
+    try:
+        assert _until(lambda: ("load", "decode") in client.calls, 5), lines
+        time.sleep(4 * watchdog.POLL_S)  # the same dead pid is not reloaded again
+    finally:
+        dog.stop()
+    assert client.calls == [("unload", "decode"), ("load", "decode")]
+    assert running.poll() is None
+    assert load_board.restarts(KEY) == {"decode": 1}
+
+
+def test_a_stopped_instance_is_ended_after_the_limit_then_reloaded(board):
+    stopped = board("decode")
+    stopped.send_signal(signal.SIGSTOP)
+    client, lines = RecordingClient(), []
+    began = time.monotonic()
+    dog = watchdog.Watchdog(KEY, client, log=lines.append).start()
+    try:
+        assert _until(lambda: stopped.poll() is not None, 5), lines
+        ended_after = time.monotonic() - began
+        assert _until(lambda: ("load", "decode") in client.calls, 5), lines
+    finally:
+        dog.stop()
+    assert stopped.returncode == -signal.SIGKILL
+    assert watchdog.STOPPED_LIMIT_S <= ended_after < watchdog.STOPPED_LIMIT_S + 4 * watchdog.POLL_S
+    assert any("has been stopped for" in line and "ending it" in line for line in lines), lines
+    assert client.calls == [("unload", "decode"), ("load", "decode")]
