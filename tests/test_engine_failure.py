@@ -1,6 +1,7 @@
 """A dying engine under `disagg-serve`, as an OOM kill or a driver fault would do it: requests on it fail
-fast naming the hop, the watchdog brings it back, /ready tells the truth meanwhile, and nothing is left
-in shared memory after a stop, even a `kill -9` of the server.
+fast naming the hop, the watchdog brings it back (a stopped one too), /ready tells the truth meanwhile, a
+hung server is killed and started again, and nothing is left in shared memory after a stop, even a
+`kill -9` of the server.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from disagg.engine.sampling import NO_END_ID
+from disagg.serve import launcher, watchdog
 from disagg.serve.leftovers import deployment_objects
 from disagg.serve.metrics import by_role, scrape
-from disagg.triton.load_board import board_key
+from disagg.triton.load_board import board_key, pid_alive
 from loadtest.soak import Deployment
 from tests.e2e_helpers import wait_kv_zero
 from tools.stream_client import stream
@@ -63,8 +65,7 @@ def served(cpu_tiny_project, tmp_path_factory):
     s = Served(cpu_tiny_project / "model_repository", tmp_path_factory.mktemp("serve") / "disagg-serve.log")
     yield s
     if s.proc.poll() is None:
-        s.proc.kill()
-        s.proc.wait()
+        s.stop()
 
 
 def _restarts(served) -> dict[str, float]:
@@ -120,31 +121,61 @@ def test_a_killed_prefill_heals_and_its_kv_pool_is_replaced(served):
     assert new_pool != pool and new_pool.name.endswith(f"_{served.stub_pid('prefill_0_0')}")
 
 
-def test_a_paused_decode_is_not_ready_until_it_resumes_and_its_requests_complete(served):
-    expected = stream(served.grpc_url, "aggregated", "paused", 120, end_id=NO_END_ID).text
-    result: dict[str, str] = {}
-    thread = threading.Thread(target=lambda: result.update(text=stream(served.grpc_url, "ensemble", "paused", 120,
-                                                                           end_id=NO_END_ID, timeout_s=30).text))
-    thread.start()
-    time.sleep(0.3)
+def test_a_stopped_decode_is_ended_and_reloaded_and_its_requests_fail_naming_the_hop(served):
+    """SIGSTOP: a stub cannot be resumed safely (README, Known problems), so the watchdog ends it after
+    STOPPED_LIMIT_S and reloads it like a dead one."""
+    before = _restarts(served).get("decode", 0)
+    expected = {i: stream(served.grpc_url, "aggregated", f"stopped {i}", 250, end_id=NO_END_ID).text for i in range(4)}
+    outcomes: dict[int, tuple[str, str, float]] = {}
+
+    def one(i: int) -> None:
+        try:
+            outcomes[i] = ("ok", stream(served.grpc_url, "ensemble", f"stopped {i}", 250, end_id=NO_END_ID, timeout_s=30).text, 0.0)
+        except Exception as exc:  # noqa: BLE001 - what the client sees is the point
+            outcomes[i] = ("error", str(exc), time.monotonic() - stopped_at)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
     pid = served.stub_pid("decode_0_0")
+    stopped_at = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
-    try:
-        served.until(lambda: served.probe("/ready")[0] == 503, 3.0, "/ready turning false for a stopped engine")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    served.until(lambda: served.probe("/ready")[0] == 200, 3.0, "/ready true again")
-    thread.join(30)
-    assert result.get("text") == expected  # a pause is not a death: nothing failed, nothing restarted
-    assert _restarts(served).get("decode") == 1
+    served.until(lambda: served.probe("/ready")[0] == 503, 3.0, "/ready turning false for a stopped engine")
+    for t in threads:
+        t.join(30)
+    errors = [(msg, after) for kind, msg, after in outcomes.values() if kind == "error"]
+    assert errors, "every stream finished before the stop: nothing was tested"
+    for msg, after in errors:
+        assert "decode: engine instance decode_0_0" in msg and "died while serving this request" in msg, msg
+        assert after < watchdog.STOPPED_LIMIT_S + 2.0, f"failed {after:.1f} s after the stop"
+    assert all(text == expected[i] for i, (kind, text, _) in outcomes.items() if kind == "ok")
+    served.until(lambda: served.probe("/ready")[0] == 200, 5.0, "/ready true again after the reload")
+    assert served.serves()
+    assert _restarts(served).get("decode") == before + 1
+    assert "has been stopped for" in served.log.read_text()
+    assert not pid_alive(pid)
+
+
+def test_a_hung_server_is_killed_and_started_again(served):
+    """A tritonserver that answers nothing (stopped here; a crash deadlocked in its signal handler looks
+    the same) is killed after HUNG_AFTER_S and started again on the same ports."""
+    os.kill(served.triton_pid, signal.SIGSTOP)
+    waited = served.until(lambda: "disagg-serve: ready again" in served.log.read_text(), launcher.HUNG_AFTER_S + 60,
+                          "the hung server started again")
+    assert waited > launcher.HUNG_AFTER_S
+    assert "answered no liveness probe" in served.log.read_text()
+    assert served.serves()
+    served.triton_pid = served._triton_pid()
 
 
 def test_kill_9_of_the_server_leaves_nothing_in_shared_memory(served):
     """Last in this module: kills the server. disagg-serve sweeps what the stubs left and starts it again;
     after its own stop nothing is left either."""
     key = board_key(served.repo)
+    restarted = served.log.read_text().count("disagg-serve: ready again")
     os.kill(served.triton_pid, signal.SIGKILL)
-    served.until(lambda: "disagg-serve: ready again" in served.log.read_text(), 60.0, "the server started again")
+    served.until(lambda: served.log.read_text().count("disagg-serve: ready again") > restarted, 60.0, "the server started again")
     assert served.serves()
     served.proc.send_signal(signal.SIGTERM)
     served.proc.wait(60)

@@ -44,6 +44,7 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import BlockManager, KVShape, KVStorage, blocks_for
 from disagg.engine.kv_wire import KVLayout, SequenceKV
 from disagg.engine.llama import LlamaModel, StepInput
+from disagg.engine.no_compute import NoComputeModel
 from disagg.engine.paged_kv import PagedKV
 from disagg.engine.sampling import NO_END_ID, SamplingParams, mask_end_id, sample
 from disagg.engine.weights import read_rank
@@ -133,8 +134,9 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, engine_dir: str | Path, kv_buffer: Callable[[int], object] | None = None):
-        """`kv_buffer(nbytes)` supplies the KV pool's memory (e.g. shared memory a decode engine reads)."""
+    def __init__(self, engine_dir: str | Path, kv_buffer: Callable[[int], object] | None = None, skip_compute: bool = False):
+        """`kv_buffer(nbytes)` supplies the KV pool's memory (e.g. shared memory a decode engine reads);
+        `skip_compute` swaps the decoder for one that costs nothing (disagg.engine.no_compute)."""
         self.config = EngineConfig.load(engine_dir)
         cfg, m, b = self.config.model, self.config.mapping, self.config.build
         stages = m.stage_layers(cfg.num_hidden_layers)
@@ -144,7 +146,10 @@ class LLMEngine:
         ]
         self.kv = KVStorage(shapes, kv_buffer(sum(s.nbytes for s in shapes)) if kv_buffer else None)
         self.blocks = BlockManager(b.kv_cache_blocks, b.tokens_per_block)
-        self.model = LlamaModel(self.config, [read_rank(engine_dir, r) for r in range(m.world_size)], self.kv)
+        if skip_compute:
+            self.model = NoComputeModel(cfg.vocab_size)
+        else:
+            self.model = LlamaModel(self.config, [read_rank(engine_dir, r) for r in range(m.world_size)], self.kv)
         self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, b.tokens_per_block, m.tp_size, m.pp_size)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}

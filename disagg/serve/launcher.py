@@ -11,7 +11,8 @@ flag says otherwise. Runs the server with `--model-control-mode=explicit --load-
 another mode, so that a watchdog (disagg.serve.watchdog) can reload an engine model whose instance died.
 Once every model is loaded it starts the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, and `/ready` + `/live` for probes; disagg/openai) on --openai-port, on the same address as
-HTTP, then prints "ready". A server that dies on its own is started again on the same ports (`_supervise`);
+HTTP, then prints "ready". A server that dies on its own, or answers no liveness probe for HUNG_AFTER_S,
+is started again on the same ports (`_supervise`);
 SIGINT/SIGTERM go to the server; the API stops with it; the exit code is the server's. The server gets
 5 s to finish its requests on a stop (--exit-timeout-secs).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import signal
+import subprocess
 import sys
 import time
 
@@ -30,6 +32,8 @@ from disagg.serve.watchdog import Watchdog
 _PREFIX = "disagg-serve:"
 MAX_SERVER_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
+HUNG_AFTER_S = 15.0  # a server that has not answered /v2/health/live for this long is killed (then restarted)
+STOP_GRACE_S = 10.0  # beyond --exit-timeout-secs, for a server told to stop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,13 +142,38 @@ def main(argv: list[str] | None = None) -> int:
     return code if code >= 0 else 128 - code
 
 
+def _wait(server: TritonServer, signalled: list[int]) -> int:
+    """Waits for the server to exit and returns its code. One told to stop that is still running
+    `--exit-timeout-secs` + STOP_GRACE_S later is killed; so is one that answers no liveness probe for
+    HUNG_AFTER_S (a crash that deadlocks in tritonserver's signal handler leaves a process that serves
+    nothing and never exits)."""
+    last_live, stop_asked = time.monotonic(), None
+    while True:
+        try:
+            return server.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if signalled:
+            stop_asked = stop_asked or now
+            if now - stop_asked > (server.exit_timeout_s or 30) + STOP_GRACE_S:
+                print(f"{_PREFIX} tritonserver still running {now - stop_asked:.0f} s after the stop; killing it", flush=True)
+                server.process.kill()
+        elif server.is_live():
+            last_live = now
+        elif now - last_live > HUNG_AFTER_S:
+            print(f"{_PREFIX} tritonserver has answered no liveness probe for {now - last_live:.0f} s; killing it", flush=True)
+            server.process.kill()
+            last_live = now
+
+
 def _supervise(current: list[TritonServer], new_server, signalled: list[int], ready_timeout_s: float) -> int:
-    """Waits for the server; one that dies on its own (a crash, not a signal from us) is started again, on
+    """Waits for the server; one that dies on its own (a crash, not a signal from us) or hangs is started again, on
     the same ports, after 1, 2, 4 ... s (at most MAX_SERVER_RESTARTS times within RESTART_WINDOW_S). The
     API and the watchdog carry on: they reach the new server at the same addresses. Returns the exit code."""
     crashes: list[float] = []
     while True:
-        code = current[0].wait()
+        code = _wait(current[0], signalled)
         if signalled:
             return code
         now = time.monotonic()

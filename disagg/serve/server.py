@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import random
 import re
 import shutil
 import signal
@@ -23,6 +24,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 
 from pathlib import Path
@@ -44,16 +46,33 @@ class ServerError(RuntimeError):
     """tritonserver cannot be started, did not become ready, or something it needs is missing."""
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on loopback (all held open at once, so they differ)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+def _ephemeral_range() -> range:
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on loopback, outside the ephemeral range: a port the kernel hands
+    out for outgoing connections can be taken by one (the server's own gRPC clients connect while it
+    starts) before the server listens on it, and Triton then runs without that endpoint."""
+    if count == 0:
+        return []
+    ephemeral = _ephemeral_range()
+    candidates = [p for p in range(10000, 65536) if p not in ephemeral]
+    picked: list[int] = []
+    for port in random.sample(candidates, len(candidates)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        picked.append(port)
+        if len(picked) == count:
+            return picked
+    raise ServerError(f"no {count} free loopback ports outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
 
 
 @dataclass(frozen=True)
@@ -280,6 +299,14 @@ class TritonServer:
                 time.sleep(0.2)
         finally:
             client.close()
+
+    def is_live(self, timeout_s: float = 2.0) -> bool:
+        """Whether the server answers HTTP `/v2/health/live` within `timeout_s`."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/live", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (OSError, ValueError):
+            return False
 
     def wait(self) -> int:
         """Blocks until the server exits; its exit code (negative: killed by that signal)."""

@@ -26,6 +26,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.loop import EngineLoop
+from disagg.engine.no_compute import SKIP_COMPUTE_ENV, skip_compute
 from disagg.triton import credential, load_board
 from disagg.triton.cancel_board import Throttle
 from disagg.triton.contract import CONTEXT_PARAMS_MISSING
@@ -137,7 +138,9 @@ class TritonPythonModel:
             self.pool = SharedPool(pool_name(lineage))
         self.metrics = EngineMetrics(self.role, self.instance)
         self.metrics.restarts.set(load_board.restarts(self.board_key).get(self.name, 0))
-        engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None)
+        if skip_compute():
+            pb_utils.Logger.log_warn(f"{self.instance}: {SKIP_COMPUTE_ENV}=1: the forward pass is skipped, tokens are not the model's")
+        engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None, skip_compute=skip_compute())
         self.loop = EngineLoop(engine)
         self.agent = None
         if self.role == "prefill":

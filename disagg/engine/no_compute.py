@@ -1,0 +1,31 @@
+"""A stand-in for the decoder that costs nothing per token, so the serving stack around it can be measured.
+
+`python -m disagg.bench front` serves the reference engine with `DISAGG_SKIP_COMPUTE=1`: every step returns
+logits that make each sequence's next token a fixed function of its last one, without reading weights
+or touching the KV cache. Requests, scheduling, KV block bookkeeping and handoffs are those of the real
+engine; only the forward pass is gone, so the tokens are not the model's. Never serve it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+SKIP_COMPUTE_ENV = "DISAGG_SKIP_COMPUTE"
+
+
+def skip_compute() -> bool:
+    return os.environ.get(SKIP_COMPUTE_ENV, "") == "1"
+
+
+class NoComputeModel:
+    """`forward` as LlamaModel's: last-token logits per sequence of the step, here one-hot."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def forward(self, batch) -> np.ndarray:
+        logits = np.zeros((len(batch), self.vocab_size), dtype=np.float32)
+        last = np.fromiter((s.token_ids[-1] for s in batch), dtype=np.int64, count=len(batch))
+        logits[np.arange(len(batch)), (last * 31 + 7) % self.vocab_size] = 1.0
+        return logits
