@@ -135,14 +135,16 @@ def _grpc(url: str, bad: BadRequest, internal_key: str) -> str | None:
         client.close()
 
 
-def send(bad: BadRequest, http_url: str, grpc_url: str, internal_key: str) -> str:
-    """Sends `bad`; returns the error text. AssertionError if it was not refused with `bad.expect`."""
+def send(bad: BadRequest, http_url: str, grpc_url: str, internal_key: str, engine_urls: dict[str, str] | None = None) -> str:
+    """Sends `bad` (an engine call to `engine_urls[model]` when its engine runs in a server of its own);
+    returns the error text. AssertionError if it was not refused with `bad.expect`."""
     if bad.via in ("generate", "generate_stream"):
         host, port = http_url.rsplit(":", 1)
         status, text = _http(host, int(port), bad)
         assert status >= 400 or '"error"' in text, f"{bad.name}: accepted ({status}): {text[:200]}"
     else:
-        text = _grpc(grpc_url, bad, internal_key)
+        url = (engine_urls or {}).get(bad.model, grpc_url) if bad.via == "engine" else grpc_url
+        text = _grpc(url, bad, internal_key)
         assert text is not None, f"{bad.name}: accepted"
     assert bad.expect in text, f"{bad.name}: expected {bad.expect!r} in the error, got {text[:300]!r}"
     return text

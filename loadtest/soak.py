@@ -7,8 +7,10 @@ of the run: `kill -9` of the decode stub, `kill -9` of the prefill stub, the dec
 (SIGSTOP) for `--pause` seconds and resumed. Every request has a deadline; one that passes it without an
 answer is hung. Prints and writes (`--out`, JSON): requests completed, failed with an error, cancelled,
 hung (must be 0); for each fault the seconds until the deployment served again; KV blocks and handoffs
-held at the end (must be 0); shared-memory objects of the deployment after the stop (must be 0); and
-restarts of the server itself (must be 0: only engine models are reloaded). Exit code 1 if any must-be-0
+held at the end (must be 0); shared-memory objects of the deployment after the stop (must be 0);
+restarts of the main server, which runs the ensembles and orchestrators (must be 0); and restarts of the
+tritonservers that run one engine model each (disagg-serve's isolation: a stub killed at the wrong moment
+can abort the server running it, then that engine's server is restarted). Exit code 1 if any must-be-0
 figure is not.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -53,7 +56,8 @@ class Report:
     kv_blocks_in_use: dict[str, float] = field(default_factory=dict)
     handoffs_held: float = 0.0
     shm_leftovers: list[str] = field(default_factory=list)
-    server_restarts: int = 0
+    server_restarts: int = 0  # of the main server (ensembles, orchestrators)
+    engine_server_restarts: int = 0  # of the servers running one engine model each: part of healing
     engine_restarts: dict[str, int] = field(default_factory=dict)
 
     def failures(self) -> list[str]:
@@ -89,11 +93,23 @@ class Deployment:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"disagg-serve did not become ready:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
-        self.triton_pid = self._triton_pid()
 
-    def _triton_pid(self) -> int:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "tritonserver"], capture_output=True, text=True).stdout.split()
+    @property
+    def engine_urls(self) -> dict[str, str]:
+        """{engine model: gRPC URL of the tritonserver running it}, as disagg-serve printed them."""
+        found = re.findall(r"^disagg-serve: engine model (\S+) in its own tritonserver on (\S+): gRPC :(\d+)", self.log.read_text(), re.M)
+        return {model: f"{host}:{port}" for model, host, port in found}
+
+    def main_pid(self) -> int:
+        """The main tritonserver's process (disagg-serve runs the engines' servers beside it)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", f"tritonserver .*--http-port={self.http} "],
+                             capture_output=True, text=True).stdout.split()
         return int(out[0]) if out else 0
+
+    def server_restarts(self, engines: bool = False) -> int:
+        """Restarts disagg-serve logged of the main server, or (`engines`) of the engines' servers."""
+        prefix = "disagg-serve: tritonserver of " if engines else "disagg-serve: tritonserver exited with code "
+        return sum(1 for line in self.log.read_text().splitlines() if line.startswith(prefix) and " exited with code " in line)
 
     @property
     def grpc_url(self) -> str:
@@ -105,7 +121,8 @@ class Deployment:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics}/metrics"
+        """Every server's metrics, merged by the API."""
+        return f"http://127.0.0.1:{self.api}/metrics"
 
     def stub(self, instance: str) -> int:
         out = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub.*{instance}"], capture_output=True, text=True).stdout.split()
@@ -143,7 +160,7 @@ def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
 
 def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter, errors: Counter, lock: threading.Lock) -> None:
     rng = random.Random(seed)
-    key = internal_key(dep.key)
+    key, engines = internal_key(dep.key), dep.engine_urls
     while not stop.is_set():
         roll = rng.random()
         model = rng.choice(["ensemble", "ensemble", "aggregated"])
@@ -151,7 +168,7 @@ def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter
         if roll < 0.1:
             bad = rng.choice([b for b in CATALOG if "MB" not in b.name])  # the big ones would dominate the run
             try:
-                send(bad, dep.http_url, dep.grpc_url, key)
+                send(bad, dep.http_url, dep.grpc_url, key, engines)
                 outcome = "bad_input_refused"
             except AssertionError as exc:
                 outcome, message = "error", f"bad input answered otherwise: {exc}"
@@ -241,7 +258,8 @@ def run(repo: Path, duration_s: float, clients: int, pause_s: float, log: Path) 
             break
         time.sleep(0.2)
     report.engine_restarts = {r: int(v) for r, v in metrics.get("disagg_engine_restarts", {}).items()}
-    report.server_restarts = int(dep._triton_pid() != dep.triton_pid)
+    report.server_restarts = dep.server_restarts()
+    report.engine_server_restarts = dep.server_restarts(engines=True)
     dep.stop()
     report.shm_leftovers = [p.name for p in deployment_objects(dep.key)]
     return report

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from disagg.engine.sampling import NO_END_ID
-from disagg.serve import launcher, watchdog
+from disagg.serve import supervisor, watchdog
 from disagg.serve.leftovers import deployment_objects
 from disagg.serve.metrics import by_role, scrape
 from disagg.triton.load_board import board_key, pid_alive
@@ -76,9 +77,12 @@ def test_a_killed_decode_fails_its_requests_within_2_s_and_heals_within_5_s(serv
     expected = {i: stream(served.grpc_url, "aggregated", f"prompt {i}", 250, end_id=NO_END_ID).text for i in range(4)}
     outcomes: dict[int, tuple[str, str, float]] = {}
 
+    streaming = threading.Event()
+
     def one(i: int) -> None:
         try:
-            text = stream(served.grpc_url, "ensemble", f"prompt {i}", 250, end_id=NO_END_ID, timeout_s=30).text
+            text = stream(served.grpc_url, "ensemble", f"prompt {i}", 250, end_id=NO_END_ID, timeout_s=30,
+                          on_text=lambda _t: streaming.set()).text
             outcomes[i] = ("ok", text, time.monotonic())
         except Exception as exc:  # noqa: BLE001 - what the client sees is the point
             outcomes[i] = ("error", str(exc), time.monotonic())
@@ -86,7 +90,8 @@ def test_a_killed_decode_fails_its_requests_within_2_s_and_heals_within_5_s(serv
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    assert streaming.wait(10)
+    time.sleep(0.05)
     os.kill(served.stub_pid("decode_0_0"), signal.SIGKILL)
     killed = time.monotonic()
     not_ready = served.until(lambda: served.probe("/ready")[0] == 503, 2.0, "/ready turning false")
@@ -128,16 +133,20 @@ def test_a_stopped_decode_is_ended_and_reloaded_and_its_requests_fail_naming_the
     expected = {i: stream(served.grpc_url, "aggregated", f"stopped {i}", 250, end_id=NO_END_ID).text for i in range(4)}
     outcomes: dict[int, tuple[str, str, float]] = {}
 
+    streaming = threading.Event()
+
     def one(i: int) -> None:
         try:
-            outcomes[i] = ("ok", stream(served.grpc_url, "ensemble", f"stopped {i}", 250, end_id=NO_END_ID, timeout_s=30).text, 0.0)
+            outcomes[i] = ("ok", stream(served.grpc_url, "ensemble", f"stopped {i}", 250, end_id=NO_END_ID, timeout_s=30,
+                                        on_text=lambda _t: streaming.set()).text, 0.0)
         except Exception as exc:  # noqa: BLE001 - what the client sees is the point
             outcomes[i] = ("error", str(exc), time.monotonic() - stopped_at)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    assert streaming.wait(10)
+    time.sleep(0.05)
     pid = served.stub_pid("decode_0_0")
     stopped_at = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
@@ -160,22 +169,34 @@ def test_a_stopped_decode_is_ended_and_reloaded_and_its_requests_fail_naming_the
 def test_a_hung_server_is_killed_and_started_again(served):
     """A tritonserver that answers nothing (stopped here; a crash deadlocked in its signal handler looks
     the same) is killed after HUNG_AFTER_S and started again on the same ports."""
-    os.kill(served.triton_pid, signal.SIGSTOP)
-    waited = served.until(lambda: "disagg-serve: ready again" in served.log.read_text(), launcher.HUNG_AFTER_S + 60,
+    os.kill(served.main_pid(), signal.SIGSTOP)
+    waited = served.until(lambda: "disagg-serve: tritonserver ready again" in served.log.read_text(), supervisor.HUNG_AFTER_S + 60,
                           "the hung server started again")
-    assert waited > launcher.HUNG_AFTER_S
+    assert waited > supervisor.HUNG_AFTER_S
     assert "answered no liveness probe" in served.log.read_text()
     assert served.serves()
-    served.triton_pid = served._triton_pid()
+
+
+def test_a_killed_engine_server_is_started_again_and_the_main_server_stays_up(served):
+    """disagg-serve runs each engine model in a tritonserver of its own: one that aborts (as a stub killed
+    inside an interprocess lock makes it) takes only that engine down for a moment."""
+    main_pid = served.main_pid()
+    [engine_server] = [p for p in map(int, subprocess.run(["pgrep", "-P", str(served.proc.pid), "-f", "tritonserver .*load-model=decode"],
+                                                          capture_output=True, text=True).stdout.split())]
+    os.kill(engine_server, signal.SIGKILL)
+    served.until(lambda: "disagg-serve: tritonserver of decode ready again" in served.log.read_text(), 30.0, "decode's server started again")
+    served.until(served.serves, 5.0, "serving again")
+    assert served.main_pid() == main_pid
+    assert served.probe("/ready")[0] == 200
 
 
 def test_kill_9_of_the_server_leaves_nothing_in_shared_memory(served):
-    """Last in this module: kills the server. disagg-serve sweeps what the stubs left and starts it again;
-    after its own stop nothing is left either."""
+    """Last in this module: kills the main server. disagg-serve sweeps what the stubs left and starts it
+    again; after its own stop nothing is left either."""
     key = board_key(served.repo)
-    restarted = served.log.read_text().count("disagg-serve: ready again")
-    os.kill(served.triton_pid, signal.SIGKILL)
-    served.until(lambda: served.log.read_text().count("disagg-serve: ready again") > restarted, 60.0, "the server started again")
+    restarted = served.log.read_text().count("disagg-serve: tritonserver ready again")
+    os.kill(served.main_pid(), signal.SIGKILL)
+    served.until(lambda: served.log.read_text().count("disagg-serve: tritonserver ready again") > restarted, 60.0, "the server started again")
     assert served.serves()
     served.proc.send_signal(signal.SIGTERM)
     served.proc.wait(60)

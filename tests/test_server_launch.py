@@ -189,3 +189,41 @@ def test_disagg_serve_starts_prints_ready_and_exits_cleanly_on_sigterm(front_rep
             proc.kill()
             proc.wait()
     reader.join(5)
+
+
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
+    from disagg.serve.server import _ephemeral_range
+
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and not any(p in _ephemeral_range() for p in ports)
+    assert free_ports(0) == []
+
+
+def _deployment(repo: Path, *flags: str):
+    from disagg.serve.launcher import Servers, _parser
+
+    args, passthrough = _parser().parse_known_args(["--model-repository", str(repo), *flags])
+    return Servers(args, passthrough, [])
+
+
+def test_disagg_serve_runs_each_engine_model_in_a_server_of_its_own(cpu_tiny_project):
+    from disagg.triton.contract import ENGINE_URLS_ENV
+
+    d = _deployment(cpu_tiny_project / "model_repository")
+    assert sorted(d.engines) == ["aggregated_engine", "decode", "prefill"]
+    for name, sup in d.engines.items():
+        assert sup.server.address == "127.0.0.1" and not sup.server.sweeps_deployment
+        assert [a for a in sup.server.extra_args if a.startswith("--load-model")] == [f"--load-model={name}"]
+    loads = {a.split("=", 1)[1] for a in d.main.server.extra_args if a.startswith("--load-model")}
+    assert loads == {"aggregated", "aggregated_orchestrator", "disagg_orchestrator", "ensemble", "postprocessing", "preprocessing"}
+    urls = dict(item.split("=") for item in d.main.server.env[ENGINE_URLS_ENV].split(","))
+    assert urls == {name: sup.server.grpc_url for name, sup in d.engines.items()}
+    assert set(d.metrics_urls) == {"main", "aggregated_engine", "decode", "prefill"}
+
+
+def test_one_server_or_a_model_control_mode_of_ones_own_keeps_everything_in_one_server(cpu_tiny_project):
+    repo = cpu_tiny_project / "model_repository"
+    one = _deployment(repo, "--one-server")
+    assert one.engines == {} and "--load-model=*" in one.main.server.extra_args and one.main.server.sweeps_deployment
+    own = _deployment(repo, "--model-control-mode=explicit", "--load-model=ensemble")
+    assert own.engines == {} and [a for a in own.main.server.extra_args if "load-model" in a] == ["--load-model=ensemble"]

@@ -1,6 +1,7 @@
 """The watchdog on a board of real processes (a `sleep` stands in for a stub) with a recording client in
 place of Triton's: a dead instance's model is unloaded and loaded once; a stopped one is ended after
-STOPPED_LIMIT_S and then reloaded; a running one is left alone."""
+STOPPED_LIMIT_S and then reloaded; a running one is left alone, and so is a dead one whose (restarted)
+server is loading the model afresh."""
 from __future__ import annotations
 
 import json
@@ -18,20 +19,25 @@ KEY = "watchdogtest"
 
 
 class RecordingClient:
-    def __init__(self):
+    """Models are ready (Triton keeps one READY after its stub died) unless unloaded or listed `loading`."""
+
+    def __init__(self, loading: tuple[str, ...] = ()):
         self.calls: list[tuple[str, str]] = []
+        self.not_ready = set(loading)
 
     def is_server_live(self) -> bool:
         return True
 
     def is_model_ready(self, model: str) -> bool:
-        return False
+        return model not in self.not_ready
 
     def unload_model(self, model: str) -> None:
         self.calls.append(("unload", model))
+        self.not_ready.add(model)
 
     def load_model(self, model: str) -> None:
         self.calls.append(("load", model))
+        self.not_ready.discard(model)
 
 
 @pytest.fixture()
@@ -66,7 +72,7 @@ def test_a_dead_instance_is_reloaded_once_and_a_running_one_is_left_alone(board)
     dead.kill()
     dead.wait()
     client, lines = RecordingClient(), []
-    dog = watchdog.Watchdog(KEY, client, log=lines.append).start()
+    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append).start()
     try:
         assert _until(lambda: ("load", "decode") in client.calls, 5), lines
         time.sleep(4 * watchdog.POLL_S)  # the same dead pid is not reloaded again
@@ -82,7 +88,7 @@ def test_a_stopped_instance_is_ended_after_the_limit_then_reloaded(board):
     stopped.send_signal(signal.SIGSTOP)
     client, lines = RecordingClient(), []
     began = time.monotonic()
-    dog = watchdog.Watchdog(KEY, client, log=lines.append).start()
+    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append).start()
     try:
         assert _until(lambda: stopped.poll() is not None, 5), lines
         ended_after = time.monotonic() - began
@@ -93,3 +99,16 @@ def test_a_stopped_instance_is_ended_after_the_limit_then_reloaded(board):
     assert watchdog.STOPPED_LIMIT_S <= ended_after < watchdog.STOPPED_LIMIT_S + 4 * watchdog.POLL_S
     assert any("has been stopped for" in line and "ending it" in line for line in lines), lines
     assert client.calls == [("unload", "decode"), ("load", "decode")]
+
+
+def test_a_dead_instance_of_a_model_its_server_is_loading_afresh_is_left_to_the_load(board):
+    dead = board("decode")
+    dead.kill()
+    dead.wait()
+    client, lines = RecordingClient(loading=("decode",)), []
+    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append).start()
+    try:
+        time.sleep(6 * watchdog.POLL_S)
+    finally:
+        dog.stop()
+    assert client.calls == [] and lines == []

@@ -91,6 +91,7 @@ def stream(
     holds optional inputs named as in SAMPLING_INPUTS. Raises StreamError with the server's message."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
+    finished = False
     try:
         client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
         sent = time.perf_counter()
@@ -112,9 +113,10 @@ def stream(
                 if on_text is not None:
                     on_text(text)
             if result.get_response().parameters["triton_final_response"].bool_param:
+                finished = True
                 break
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=not finished)  # a client that gives up cancels, never waits on
         client.close()
     arrivals = [at for at, text in zip(stamps, chunks) if text]
     return StreamResult(

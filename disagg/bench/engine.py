@@ -79,19 +79,33 @@ def bench_model(root: Path, preset: str, prompt_len: int, decode_steps: int, bat
 
     decode = {}
     for batch in batches:
-        for i in range(batch):
-            engine.add_request(Request(f"b{batch}-{i}", prompt(), decode_steps + 1))
-        engine.step()  # the prefills (and first tokens)
-        t = time.perf_counter()
-        for _ in range(decode_steps):
-            engine.step()
-        elapsed = time.perf_counter() - t
-        while engine.has_work():
-            engine.step()
         avg_context = prompt_len + decode_steps / 2
         step_bytes = weight_bytes + batch * avg_context * kv_per_token
-        decode[batch] = (batch * decode_steps / elapsed, batch * bandwidth / step_bytes)
+        decode[batch] = (_decode_rate(engine, prompt, batch, decode_steps), batch * bandwidth / step_bytes)
     return ModelBench(preset, weight_bytes, kv_per_token, prefill_tps, decode)
+
+
+def _decode_rate(engine: LLMEngine, prompt, batch: int, decode_steps: int) -> float:
+    """Tokens/s of `decode_steps` steps over `batch` sequences, their prefill not counted."""
+    for i in range(batch):
+        engine.add_request(Request(f"b{batch}-{i}", prompt(), decode_steps + 1))
+    engine.step()  # the prefills (and first tokens)
+    t = time.perf_counter()
+    for _ in range(decode_steps):
+        engine.step()
+    elapsed = time.perf_counter() - t
+    while engine.has_work():
+        engine.step()
+    return batch * decode_steps / elapsed
+
+
+def decode_tokens_per_s(root: Path, preset: str, prompt_len: int, decode_steps: int, batches: list[int]) -> dict[int, float]:
+    """Decode tokens/s of the reference engine on `preset` per batch size (prompts of `prompt_len`)."""
+    engine = LLMEngine(build_engine(root, preset, max(batches), prompt_len, decode_steps))
+    rng = np.random.default_rng(0)
+    vocab = engine.config.model.vocab_size
+    return {batch: _decode_rate(engine, lambda: tuple(int(t) for t in rng.integers(2, vocab, prompt_len)), batch, decode_steps)
+            for batch in batches}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from disagg.openai.chat_template import TemplateError
@@ -28,6 +28,7 @@ from disagg.openai.protocol import APIError, ChatCompletionRequest, CompletionRe
 from disagg.openai.stop import StopMatcher
 from disagg.openai.triton_stream import EngineError, TritonStreams
 from disagg.serve.health import report
+from disagg.serve.metrics import merge, scrape
 from disagg.triton.preprocessing import InputError
 
 _DISCONNECT_POLL_S = 0.1
@@ -157,7 +158,7 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def create_app(deployment: Deployment, grpc_url: str) -> FastAPI:
+def create_app(deployment: Deployment, grpc_url: str, metrics_urls: dict[str, str] | None = None) -> FastAPI:
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -206,6 +207,17 @@ def create_app(deployment: Deployment, grpc_url: str) -> FastAPI:
         """Readiness for a load balancer or Kubernetes probe: 503 while any engine role has no live instance."""
         body = report(deployment.board_key, list(deployment.engines), await app.state.streams.ready())
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        """Every server's metrics in one exposition, labelled `server` (a server being restarted is left out)."""
+        texts = {}
+        for name, url in (metrics_urls or {}).items():
+            try:
+                texts[name] = await asyncio.to_thread(scrape, url, 2.0)
+            except OSError:
+                continue
+        return PlainTextResponse(merge(texts), media_type="text/plain; version=0.0.4")
 
     @app.get("/live")
     async def live():

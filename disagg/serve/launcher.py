@@ -7,33 +7,42 @@
 Takes tritonserver's own flags and passes them on unchanged. Without a tritonserver on PATH it runs the
 one bundled in nvidia-pytriton and adds the backend directory, library path and PATH that it needs
 (docs/triton-on-cpu.md). Listens on 127.0.0.1 unless an --http-address/--grpc-address/--metrics-address
-flag says otherwise. Runs the server with `--model-control-mode=explicit --load-model=*` unless told
-another mode, so that a watchdog (disagg.serve.watchdog) can reload an engine model whose instance died.
+flag says otherwise.
+
+Unless told a model-control mode, each reference-engine model runs in a tritonserver of its own, on
+private loopback ports, and the rest (ensembles, orchestrators, pre/postprocessing) in the server on the
+ports given: in Triton 2.51 a Python stub killed while it holds one of the backend's interprocess locks
+aborts the server that runs it, and that must not take the ensembles and every other engine down with
+it. The orchestrators reach the engine servers through $DISAGG_ENGINE_URLS. Every server runs with
+`--model-control-mode=explicit`, so that a watchdog (disagg.serve.watchdog) can reload an engine model
+whose instance died; `--one-server` runs everything in one server instead.
+
 Once every model is loaded it starts the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
-`/v1/models`, and `/ready` + `/live` for probes; disagg/openai) on --openai-port, on the same address as
-HTTP, then prints "ready". A server that dies on its own, or answers no liveness probe for HUNG_AFTER_S,
-is started again on the same ports (`_supervise`);
-SIGINT/SIGTERM go to the server; the API stops with it; the exit code is the server's. The server gets
-5 s to finish its requests on a stop (--exit-timeout-secs).
+`/v1/models`, `/ready` + `/live` for probes, and `/metrics` with every server's metrics; disagg/openai)
+on --openai-port, on the same address as HTTP, then prints "ready". A server that dies on its own, or
+answers no liveness probe, is started again on the same ports (disagg.serve.supervisor).
+SIGINT/SIGTERM stop everything; the exit code is the main server's. Servers get 5 s to finish their
+requests on a stop (--exit-timeout-secs).
 """
 from __future__ import annotations
 
 import argparse
 import shlex
 import signal
-import subprocess
 import sys
-import time
+import threading
+from pathlib import Path
 
+from disagg.serve.health import engine_models
+from disagg.serve.leftovers import end_orphan_stubs, sweep
 from disagg.serve.openai_front import OpenAIFront
-from disagg.serve.server import ServerError, TritonServer
+from disagg.serve.server import ServerError, TritonServer, free_ports
+from disagg.serve.supervisor import PREFIX as _PREFIX
+from disagg.serve.supervisor import Supervised
 from disagg.serve.watchdog import Watchdog
-
-_PREFIX = "disagg-serve:"
-MAX_SERVER_RESTARTS = 5
-RESTART_WINDOW_S = 600.0
-HUNG_AFTER_S = 15.0  # a server that has not answered /v2/health/live for this long is killed (then restarted)
-STOP_GRACE_S = 10.0  # beyond --exit-timeout-secs, for a server told to stop
+from disagg.triton.contract import ENGINE_URLS_ENV
+from disagg.triton.credential import internal_key
+from disagg.triton.load_board import board_key
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-timeout-secs", type=int, default=5, help="as tritonserver (default here 5; tritonserver's own is 30)")
     p.add_argument("--openai-port", type=int, default=9000, help="disagg-serve only: the OpenAI-compatible API's port (default 9000)")
     p.add_argument("--no-openai", action="store_true", help="disagg-serve only: do not start the OpenAI-compatible API")
+    p.add_argument("--one-server", action="store_true", help="disagg-serve only: run the engine models in the main server too")
     p.add_argument(
         "--ready-timeout-secs", type=float, default=600.0,
         help="disagg-serve only: give up when the server is not ready after this long (default 600)",
@@ -67,126 +77,133 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
+def _models(repository: Path) -> list[str]:
+    return sorted(p.parent.name for p in repository.glob("*/config.pbtxt"))
+
+
+class Servers:
+    """The servers of one `disagg-serve`: the main one on the ports given, and one per reference-engine model
+    on free loopback ports (none with --one-server, several repositories or the user's own model-control
+    mode), each `Supervised`."""
+
+    def __init__(self, args, passthrough: list[str], signalled: list[int]):
+        first, *more = args.model_repository
+        self.repository = Path(first)
+        self.key = board_key(self.repository)
+        chooses_address = any(a.split("=")[0] in ("--http-address", "--grpc-address", "--metrics-address") for a in passthrough)
+        self.controlled = _flag_value(passthrough, "--model-control-mode") is None  # else the user steers the models
+        isolate = self.controlled and not args.one_server and not more
+        engines = [e.name for e in engine_models(self.repository)] if isolate else []
+
+        def server(ports: tuple[int | None, ...], load: list[str], env: dict[str, str], address: str | None, extra: list[str]):
+            return lambda: TritonServer(
+                first, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2], address=address,
+                extra_args=[*extra, *(["--model-control-mode=explicit", *(f"--load-model={m}" for m in load)] if self.controlled else [])],
+                exit_timeout_s=args.exit_timeout_secs, backend_dir=args.backend_directory, env=env, sweeps_deployment=not isolate,
+            )
+
+        self.engines: dict[str, Supervised] = {}
+        for name in engines:
+            ports = tuple(free_ports(3))
+            self.engines[name] = Supervised(f"tritonserver of {name}", server(ports, [name], {}, "127.0.0.1", []), signalled)
+        urls = ",".join(f"{name}={sup.server.grpc_url}" for name, sup in self.engines.items())
+        front_models = [m for m in _models(self.repository) if m not in self.engines] if isolate else ["*"]
+        self.main = Supervised("tritonserver", server(
+            (args.http_port, args.grpc_port, args.metrics_port), front_models, {ENGINE_URLS_ENV: urls} if urls else {},
+            None if chooses_address else "127.0.0.1", [*(f"--model-repository={r}" for r in more), *passthrough],
+        ), signalled)
+        self.isolated = isolate
+
+    @property
+    def supervised(self) -> list[Supervised]:
+        return [self.main, *self.engines.values()]
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """{server name on the API's /metrics: its metrics URL}"""
+        return {"main": self.main.server.metrics_url, **{name: sup.server.metrics_url for name, sup in self.engines.items()}}
+
+    def server_of(self, model: str) -> TritonServer:
+        return (self.engines.get(model) or self.main).server
+
+    def start(self, ready_timeout_s: float) -> None:
+        if self.isolated:  # each server then sweeps only its own leftovers: the deployment's are swept here
+            if end_orphan_stubs(self.repository):
+                threading.Event().wait(0.2)
+            sweep(self.key)
+            internal_key(self.key)  # created once, before any engine asks for it
+        for sup in self.supervised:
+            sup.server.start()
+        for sup in self.supervised:
+            sup.server.wait_ready(ready_timeout_s)
+
+    def stop(self) -> None:
+        for sup in self.supervised:
+            sup.server.stop()
+        if self.isolated:
+            sweep(self.key)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = _parser().parse_known_args(argv)
-    first, *more = args.model_repository
-    chooses_address = any(a.split("=")[0] in ("--http-address", "--grpc-address", "--metrics-address") for a in passthrough)
-    control = _flag_value(passthrough, "--model-control-mode")
-    if control is None:
-        control = "explicit"
-        passthrough += ["--model-control-mode=explicit", "--load-model=*"]
-
-    def new_server() -> TritonServer:
-        return TritonServer(
-            first,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
-            address=None if chooses_address else "127.0.0.1",
-            extra_args=[*(f"--model-repository={r}" for r in more), *passthrough],
-            exit_timeout_s=args.exit_timeout_secs,
-            backend_dir=args.backend_directory,
-        )
-
-    server = new_server()
-    try:
-        server.start()
-    except ServerError as exc:
-        print(f"{_PREFIX} error: {exc}", file=sys.stderr)
-        return 2
     signalled: list[int] = []
-    current = [server]  # the running server, for the signal handler
+    servers = Servers(args, passthrough, signalled)
+    main_server = servers.main.server
     watchdog = None
-    if control == "explicit":
+    if servers.controlled:
         import tritonclient.http as httpclient
 
-        watchdog = Watchdog(server.board_key, httpclient.InferenceServerClient(server.http_url),
+        clients = {sup.server.http_url: httpclient.InferenceServerClient(sup.server.http_url) for sup in servers.supervised}
+        watchdog = Watchdog(servers.key, lambda model: clients[servers.server_of(model).http_url],
                             log=lambda line: print(f"{_PREFIX} {line}", flush=True))
 
     def forward(signum: int, _frame) -> None:
         signalled.append(signum)
         if watchdog is not None:
             watchdog.halt()  # the models are being unloaded on purpose now
-        if current[0].process.poll() is None:
-            current[0].process.send_signal(signum)
+        for sup in servers.supervised:
+            if sup.server.process is not None and sup.server.process.poll() is None:
+                sup.server.process.send_signal(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    print(f"{_PREFIX} {server.install.description}", flush=True)
-    print(f"{_PREFIX} {shlex.join(server.command())}", flush=True)
-    print(
-        f"{_PREFIX} listening on HTTP :{server.http_port}, gRPC :{server.grpc_port}, "
-        f"metrics :{server.metrics_port}", flush=True,
-    )
     front = None
     try:
-        server.wait_ready(args.ready_timeout_secs)
+        try:
+            servers.start(args.ready_timeout_secs)
+        except ServerError as exc:
+            if not signalled:
+                print(f"{_PREFIX} error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{_PREFIX} {main_server.install.description}", flush=True)
+        print(f"{_PREFIX} {shlex.join(main_server.command())}", flush=True)
+        print(f"{_PREFIX} listening on HTTP :{main_server.http_port}, gRPC :{main_server.grpc_port}, "
+              f"metrics :{main_server.metrics_port}", flush=True)
+        for name, sup in servers.engines.items():
+            print(f"{_PREFIX} engine model {name} in its own tritonserver on 127.0.0.1: gRPC :{sup.server.grpc_port}, "
+                  f"HTTP :{sup.server.http_port}, metrics :{sup.server.metrics_port}", flush=True)
+        for name, sup in servers.engines.items():
+            threading.Thread(target=sup.run, args=(args.ready_timeout_secs,), name=f"supervise-{name}", daemon=True).start()
         if watchdog is not None:
             watchdog.start()
         else:
             print(f"{_PREFIX} dead engine models are not reloaded: that needs --model-control-mode=explicit", flush=True)
         if not args.no_openai:
             http_address = next((a.split("=", 1)[1] for a in passthrough if a.startswith("--http-address=")), None)
-            front = OpenAIFront(first, server.grpc_url, host=http_address or server.address or "0.0.0.0", port=args.openai_port)
+            front = OpenAIFront(servers.repository, main_server.grpc_url, host=http_address or main_server.address or "0.0.0.0",
+                                port=args.openai_port, metrics_urls=servers.metrics_urls)
             front.start().wait_ready()
             print(f"{_PREFIX} OpenAI-compatible API on {front.base_url}", flush=True)
         print(f"{_PREFIX} ready", flush=True)
-        code = _supervise(current, new_server, signalled, args.ready_timeout_secs)
+        code = servers.main.run(args.ready_timeout_secs)
     except ServerError as exc:
         code = 1
         if not signalled:
             print(f"{_PREFIX} error: {exc}", file=sys.stderr)
-    for part in (watchdog, front, current[0]):
-        if part is not None:
-            part.stop()
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if front is not None:
+            front.stop()
+        servers.stop()
     return code if code >= 0 else 128 - code
-
-
-def _wait(server: TritonServer, signalled: list[int]) -> int:
-    """Waits for the server to exit and returns its code. One told to stop that is still running
-    `--exit-timeout-secs` + STOP_GRACE_S later is killed; so is one that answers no liveness probe for
-    HUNG_AFTER_S (a crash that deadlocks in tritonserver's signal handler leaves a process that serves
-    nothing and never exits)."""
-    last_live, stop_asked = time.monotonic(), None
-    while True:
-        try:
-            return server.process.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        now = time.monotonic()
-        if signalled:
-            stop_asked = stop_asked or now
-            if now - stop_asked > (server.exit_timeout_s or 30) + STOP_GRACE_S:
-                print(f"{_PREFIX} tritonserver still running {now - stop_asked:.0f} s after the stop; killing it", flush=True)
-                server.process.kill()
-        elif server.is_live():
-            last_live = now
-        elif now - last_live > HUNG_AFTER_S:
-            print(f"{_PREFIX} tritonserver has answered no liveness probe for {now - last_live:.0f} s; killing it", flush=True)
-            server.process.kill()
-            last_live = now
-
-
-def _supervise(current: list[TritonServer], new_server, signalled: list[int], ready_timeout_s: float) -> int:
-    """Waits for the server; one that dies on its own (a crash, not a signal from us) or hangs is started again, on
-    the same ports, after 1, 2, 4 ... s (at most MAX_SERVER_RESTARTS times within RESTART_WINDOW_S). The
-    API and the watchdog carry on: they reach the new server at the same addresses. Returns the exit code."""
-    crashes: list[float] = []
-    while True:
-        code = _wait(current[0], signalled)
-        if signalled:
-            return code
-        now = time.monotonic()
-        crashes = [t for t in crashes if now - t < RESTART_WINDOW_S] + [now]
-        if len(crashes) > MAX_SERVER_RESTARTS:
-            print(f"{_PREFIX} tritonserver exited with code {code} {len(crashes)} times in {RESTART_WINDOW_S:.0f} s; giving up", flush=True)
-            return code
-        current[0].stop()  # sweeps what the dead server left
-        delay = 2.0 ** (len(crashes) - 1)
-        print(f"{_PREFIX} tritonserver exited with code {code}; starting it again in {delay:.0f} s (server restart {len(crashes)})", flush=True)
-        time.sleep(delay)
-        if signalled:
-            return code
-        current[0] = new_server().start()
-        current[0].wait_ready(ready_timeout_s)
-        print(f"{_PREFIX} ready again", flush=True)

@@ -46,9 +46,10 @@ def names(shm_dir: Path = SHM) -> set[str]:
     return {p.name for p in shm_dir.iterdir()}
 
 
-def deployment_objects(key: str, shm_dir: Path = SHM, since: set[str] | None = None) -> list[Path]:
-    """The deployment's own objects, and backend regions nobody maps (see the module's docstring)."""
-    ours = (f"disagg-load-{key}-", f"disagg-cancel-{key}-", f"disagg-restarts-{key}", f"disagg-internal-{key}", f"disagg_{key}_")
+def deployment_objects(key: str, shm_dir: Path = SHM, since: set[str] | None = None, regions_only: bool = False) -> list[Path]:
+    """The deployment's own objects (unless `regions_only`), and backend regions nobody maps (see the
+    module's docstring)."""
+    ours = () if regions_only else (f"disagg-load-{key}-", f"disagg-cancel-{key}-", f"disagg-restarts-{key}", f"disagg-internal-{key}", f"disagg_{key}_")
     mapped, now = mapped_names(shm_dir), time.time()
 
     def orphan_region(p: Path) -> bool:
@@ -64,19 +65,19 @@ def deployment_objects(key: str, shm_dir: Path = SHM, since: set[str] | None = N
     return [p for p in shm_dir.iterdir() if p.name not in mapped and (p.name.startswith(ours) or orphan_region(p))]
 
 
-def sweep(key: str, shm_dir: Path = SHM, since: set[str] | None = None, settle_s: float = 2.0) -> list[str]:
+def sweep(key: str, shm_dir: Path = SHM, since: set[str] | None = None, settle_s: float = 2.0, regions_only: bool = False) -> list[str]:
     """Removes `deployment_objects`; retries for up to `settle_s` while killed processes still map some.
     Returns the names removed."""
     removed: list[str] = []
     deadline = time.monotonic() + settle_s
     while True:
-        for path in deployment_objects(key, shm_dir, since):
+        for path in deployment_objects(key, shm_dir, since, regions_only):
             try:
                 path.unlink()
                 removed.append(path.name)
             except FileNotFoundError:
                 pass
-        held = [p for p in shm_dir.iterdir() if p.name.startswith(f"disagg_{key}_")]
+        held = [] if regions_only else [p for p in shm_dir.iterdir() if p.name.startswith(f"disagg_{key}_")]
         if not held or time.monotonic() > deadline:
             return removed
         time.sleep(0.1)

@@ -17,12 +17,14 @@ from disagg.serve.server import ServerError, die_with_parent, free_ports
 
 class OpenAIFront:
     """`python -m disagg.openai` for `model_repository`, reaching the server at `grpc_url`, listening on
-    `host:port` (port None: a free one). `log_path`: file for its output (None: inherit ours)."""
+    `host:port` (port None: a free one). `metrics_urls`: {server name: its metrics URL}, merged on the
+    API's `/metrics`. `log_path`: file for its output (None: inherit ours)."""
 
     def __init__(self, model_repository: str | Path, grpc_url: str, *, host: str = "127.0.0.1",
-                 port: int | None = None, log_path: str | Path | None = None):
+                 port: int | None = None, metrics_urls: dict[str, str] | None = None, log_path: str | Path | None = None):
         self.model_repository = Path(model_repository)
         self.grpc_url = grpc_url
+        self.metrics_urls = dict(metrics_urls or {})
         self.host = host
         self.port = free_ports(1)[0] if port is None else port
         self.log_path = Path(log_path) if log_path is not None else None
@@ -35,7 +37,8 @@ class OpenAIFront:
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "disagg.openai", f"--model-repository={self.model_repository}",
-                f"--triton-grpc-url={self.grpc_url}", f"--host={self.host}", f"--port={self.port}"]
+                f"--triton-grpc-url={self.grpc_url}", f"--host={self.host}", f"--port={self.port}",
+                *(f"--metrics-url={name}={url}" for name, url in self.metrics_urls.items())]
 
     def start(self) -> OpenAIFront:
         out = open(self.log_path, "ab") if self.log_path is not None else None

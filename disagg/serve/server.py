@@ -160,9 +160,12 @@ class TritonServer:
     inherit ours). `extra_args` go to tritonserver unchanged (e.g. `--model-control-mode=explicit`).
     `exit_timeout_s`: `--exit-timeout-secs`, short by default because with a decoupled model loaded
     shutdown otherwise waits up to 30 s (None: the server's default). `backend_dir`: a ready backend
-    directory; None prepares one for the bundled server. The server gets SIGTERM if the thread that
-    started it dies. Use as a context manager (start, wait until ready, stop on exit) or call
-    start/wait_ready/stop.
+    directory; None prepares one for the bundled server. `env`: variables to add to its environment.
+    `sweeps_deployment`: whether its start and stop remove the deployment's shared-memory objects
+    (disagg.serve.leftovers); a server that is one of several of a deployment leaves that to whoever
+    runs them all, and removes only the Python-backend regions its own run left. The server gets SIGTERM
+    if the thread that started it dies. Use as a context manager (start, wait until ready, stop on exit)
+    or call start/wait_ready/stop.
     """
 
     def __init__(
@@ -177,8 +180,12 @@ class TritonServer:
         log_path: str | Path | None = None,
         exit_timeout_s: int | None = 5,
         backend_dir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        sweeps_deployment: bool = True,
     ):
         self.model_repository = Path(model_repository)
+        self.env = dict(env or {})
+        self.sweeps_deployment = sweeps_deployment
         picked = iter(free_ports([http_port, grpc_port, metrics_port].count(None)))
         self.http_port = next(picked) if http_port is None else http_port
         self.grpc_port = next(picked) if grpc_port is None else grpc_port
@@ -245,13 +252,15 @@ class TritonServer:
             raise ServerError(f"model repository {self.model_repository} is not a directory")
         if end_orphan_stubs(self.model_repository):  # a killed server's stubs, which still map their regions
             time.sleep(0.2)
-        sweep(self.board_key)  # what a killed server of this deployment left behind
+        if self.sweeps_deployment:
+            sweep(self.board_key)  # what a killed server of this deployment left behind
         self._shm_before = shm_names()
         self._workdir = Path(tempfile.mkdtemp(prefix="disagg-tritonserver-"))
         self.install = find_install(self._workdir)
         env = dict(os.environ, **self.install.env)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env[ENGINE_URL_ENV] = self.grpc_url  # where the orchestrator reaches the engine models
+        env.update(self.env)
         out = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,7 +341,7 @@ class TritonServer:
                 while time.monotonic() < deadline:  # until the group is gone: a dying stub still maps its region
                     os.killpg(self.process.pid, 0)
                     time.sleep(0.05)
-            sweep(self.board_key, since=self._shm_before)
+            sweep(self.board_key, since=self._shm_before, regions_only=not self.sweeps_deployment)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None

@@ -42,10 +42,11 @@ class _History:
 
 class Watchdog:
     """Polls the board of deployment `key` on a thread of its own and reloads models whose instances died,
-    through `client` (a tritonclient InferenceServerClient). `log(line)` reports each event."""
+    through `client_for(model)` (a tritonclient InferenceServerClient of the server running it). `log(line)`
+    reports each event."""
 
-    def __init__(self, key: str, client, log=print):
-        self.key, self.client, self.log = key, client, log
+    def __init__(self, key: str, client_for, log=print):
+        self.key, self.client_for, self.log = key, client_for, log
         self.history: dict[str, _History] = {}
         self._stopped_since: dict[int, float] = {}  # pid -> when it was first seen stopped
         self._stop = threading.Event()
@@ -93,10 +94,13 @@ class Watchdog:
         h = self.history.setdefault(entry.model, _History())
         if entry.load.pid in h.dead_pids:
             return  # being healed, or waiting out its back-off
+        client = self.client_for(entry.model)
         try:
-            if not self.client.is_server_live():
+            # A server that is down is restarted by its supervisor; one that is not ready with the model is
+            # loading it afresh (a restarted server): the new instance replaces the dead entry.
+            if not client.is_server_live() or not client.is_model_ready(entry.model):
                 return
-        except Exception:  # noqa: BLE001 - the server itself is down: its supervisor restarts it, not us
+        except Exception:  # noqa: BLE001 - the server itself is down
             return
         now = time.monotonic()
         h.backoff_s = 0.0 if now - h.last > STABLE_S or not h.restarts else min(MAX_BACKOFF_S, max(1.0, 2 * h.backoff_s))
@@ -108,12 +112,12 @@ class Watchdog:
             return
         started = time.monotonic()
         try:
-            self.client.unload_model(entry.model)
-            while self.client.is_model_ready(entry.model) and not self._stop.is_set():
+            client.unload_model(entry.model)
+            while client.is_model_ready(entry.model) and not self._stop.is_set():
                 time.sleep(0.05)
             h.restarts += 1
             load_board.count_restart(self.key, entry.model)
-            self.client.load_model(entry.model)
+            client.load_model(entry.model)
         except Exception as exc:  # noqa: BLE001 - the next poll tries again
             self.log(f"{entry.model}: reload failed: {exc}")
             h.dead_pids.discard(entry.load.pid)

@@ -23,6 +23,7 @@ CONTEXT_PARAMS_MISSING = "contextParams must be present in the response"
 # Engines served by another node's tritonserver (a separate pool) are named in the orchestrator's
 # `engine_urls` parameter ("model=host:port,..."), at that server's standard port.
 ENGINE_URL_ENV = "DISAGG_ENGINE_GRPC_URL"
+ENGINE_URLS_ENV = "DISAGG_ENGINE_URLS"  # "model=host:port,...": engines served elsewhere (disagg-serve's engine servers)
 ENGINE_GRPC_PORT = 8001
 DEFAULT_ENGINE_URL = f"127.0.0.1:{ENGINE_GRPC_PORT}"
 

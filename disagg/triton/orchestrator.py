@@ -50,7 +50,7 @@ from tritonclient.utils import np_to_triton_dtype
 
 from disagg.triton import cancel_board, credential, load_board
 from disagg.triton.contract import (
-    CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
+    CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
     rename_inputs,
 )
 from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics
@@ -259,7 +259,8 @@ class TritonPythonModel:
         self.instance = args["model_instance_name"]
         cancel_board.remove_leftovers(self.board_key, self.instance)
         local = os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL)
-        remote = parse_engine_urls(model_param(args, "engine_urls"))
+        # The spec's engine_urls (pools on other nodes) first, then the engine servers disagg-serve runs.
+        remote = {**parse_engine_urls(os.environ.get(ENGINE_URLS_ENV, "")), **parse_engine_urls(model_param(args, "engine_urls"))}
         self.engine_urls = {model: remote.get(model, local) for model in self.engines}
         self.input_names = parse_input_names(model_param(args, "engine_input_names"))
         self.dispatched: dict[str, int] = {}

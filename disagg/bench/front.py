@@ -1,0 +1,294 @@
+"""`python -m disagg.bench front`: what the serving front costs, measured with the engines' compute skipped.
+
+The engines run with DISAGG_SKIP_COMPUTE=1 (disagg.engine.no_compute): their contract, scheduling, KV
+bookkeeping and handoffs are unchanged, only the forward pass is gone, so a token costs what the stack
+around the engine makes it cost. Per concurrency (streams kept in flight, closed loop, `--seconds` each)
+and per path, side by side in one run:
+
+    ensemble             text in, text out: preprocessing -> orchestrator -> prefill, decode -> postprocessing
+    prefill + decode     the same engines called directly with token ids, the client doing the handoff
+    aggregated           text in, text out: the aggregated ensemble, same front, one engine
+    aggregated_engine    that engine called directly
+
+Printed per row: output tokens/s (tokens received in the window / window), TTFT p50, and p50 over requests
+of their mean gap between token responses; then ensemble vs direct at one stream (TTFT and per-token cost
+added) and at each level (tokens/s ratio). The engines' own ceiling is printed beside it: the decode
+tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64.
+
+One client drives every path the same way (one gRPC stream, requests told apart by id) and shares the
+machine's cores with the server: at high concurrency it is part of what is measured, for every path alike.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import yaml
+
+from disagg.engine.no_compute import SKIP_COMPUTE_ENV
+from disagg.engine.sampling import NO_END_ID
+from disagg.triton.credential import PARAMETER
+from tools.stream_client import build_inputs
+
+LEVELS = (1, 16, 64, 256)
+PATHS = ("ensemble", "prefill + decode", "aggregated", "aggregated_engine")
+PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
+DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
+
+
+def front_spec(config: Path, out: Path, max_streams: int):
+    """`config` (cpu-tiny) with room for `max_streams` sequences in every engine and orchestrator, built
+    into <out>/."""
+    from disagg.spec import load_spec
+
+    raw = yaml.safe_load(config.read_text())
+    for role in raw["roles"].values():
+        role["max_batch_size"] = max(role["max_batch_size"], max_streams)
+        role["max_num_tokens"] = max(role["max_num_tokens"], 2 * max_streams)
+        role["kv_cache_blocks"] = max(role["kv_cache_blocks"], 8 * max_streams)
+    raw["orchestrator"]["max_in_flight"] = max(raw["orchestrator"]["max_in_flight"], 2 * max_streams)
+    raw["output"] = {"build_dir": str(out), "model_repository": str(out / "model_repository")}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "spec.yaml"
+    path.write_text(f"# {config} for `python -m disagg.bench front`: room for {max_streams} streams\n" + yaml.safe_dump(raw, sort_keys=False))
+    return load_spec(path)
+
+
+def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def engine_inputs(ids: list[int], max_tokens: int, params: np.ndarray | None = None) -> list[grpcclient.InferInput]:
+    inputs = [
+        _tensor("input_ids", np.array([ids], dtype=np.int32), "INT32"),
+        _tensor("input_lengths", np.array([[len(ids)]], dtype=np.int32), "INT32"),
+        _tensor("request_output_len", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        _tensor("end_id", np.array([[NO_END_ID]], dtype=np.int32), "INT32"),
+        _tensor("streaming", np.array([[True]]), "BOOL"),
+    ]
+    if params is not None:
+        inputs.append(_tensor("context_phase_params", params.reshape(1, -1), "UINT8"))
+    return inputs
+
+
+@dataclass
+class Flight:
+    """One request in flight: when it was sent, when each of its token responses came, tokens seen."""
+
+    sent: float
+    phase: str  # "text" | "engine" | "prefill" | "decode"
+    stamps: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Level:
+    path: str
+    streams: int
+    tokens_per_s: float
+    ttft_ms: float
+    gap_ms: float
+    completed: int
+    errors: int
+
+
+class Driver:
+    """Keeps N requests of one path in flight on one gRPC stream for a window; the response callback does
+    the bookkeeping and sends each next request (and, direct, each decode after its prefill)."""
+
+    def __init__(self, url: str, internal_key: str, ids: list[int], max_tokens: int):
+        self.ids, self.max_tokens = ids, max_tokens
+        self.credential = {PARAMETER: internal_key}
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=self._on_response)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._count = 0
+        self._reset("ensemble", 0.0)
+
+    def _reset(self, path: str, until: float) -> None:
+        self.path, self.until = path, until
+        self.flights: dict[str, Flight] = {}
+        self.tokens_in_window, self.window = 0, (0.0, until)
+        self.ttfts: list[float] = []
+        self.gaps: list[float] = []
+        self.errors = 0
+
+    def run(self, path: str, streams: int, seconds: float) -> Level:
+        start = time.perf_counter()
+        with self._lock:
+            self._reset(path, start + seconds)
+            self.window = (start, start + seconds)
+            for _ in range(streams):
+                self._send_new(start)
+        with self._lock:
+            if not self._idle.wait_for(lambda: not self.flights, timeout=seconds + DRAIN_S):
+                raise RuntimeError(f"{path} x{streams}: {len(self.flights)} requests unfinished {DRAIN_S:.0f} s after the window")
+        med = (lambda xs: float(np.median(xs)) * 1e3 if xs else float("nan"))
+        return Level(path, streams, self.tokens_in_window / seconds, med(self.ttfts), med(self.gaps), len(self.ttfts), self.errors)
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+    # -- under the lock, from run() or the stream's callback thread ----------------------------------
+    def _send_new(self, now: float) -> None:
+        self._count += 1
+        request_id = str(self._count)
+        if self.path in ("ensemble", "aggregated"):
+            self.flights[request_id] = Flight(now, "text")
+            inputs = build_inputs(PROMPT, self.max_tokens, end_id=NO_END_ID)
+            self.client.async_stream_infer(self.path, inputs, request_id=request_id, enable_empty_final_response=True)
+        elif self.path == "aggregated_engine":
+            self.flights[request_id] = Flight(now, "engine")
+            self._send_engine("aggregated_engine", request_id, "context_and_generation", None)
+        else:
+            self.flights[request_id] = Flight(now, "prefill")
+            self._send_engine("prefill", request_id, "context_only", None)
+
+    def _send_engine(self, model: str, request_id: str, request_type: str, params: np.ndarray | None) -> None:
+        self.client.async_stream_infer(
+            model, engine_inputs(self.ids, self.max_tokens, params), request_id=request_id,
+            parameters={"request_type": request_type, **self.credential}, enable_empty_final_response=True,
+        )
+
+    def _on_response(self, result, error) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            if error is not None:
+                self.errors += 1
+                if self.errors == 1:
+                    print(f"  {self.path}: {error}", flush=True)
+                request_id = next(iter(self.flights), None)  # the stream no longer says whose it was
+                if request_id is not None:
+                    self._finish(request_id, now, failed=True)
+                return
+            response = result.get_response()
+            flight = self.flights.get(response.id)
+            if flight is None:
+                return
+            tokens = self._tokens(result, flight)
+            if tokens:
+                flight.stamps.append(now)
+                if self.window[0] <= now <= self.window[1]:
+                    self.tokens_in_window += tokens
+            if not response.parameters["triton_final_response"].bool_param:
+                return
+            if flight.phase == "prefill":
+                flight.phase = "decode"
+                self._send_engine("decode", response.id, "generation_only", result.as_numpy("context_phase_params"))
+                return
+            self._finish(response.id, now, failed=False)
+
+    def _tokens(self, result, flight: Flight) -> int:
+        if flight.phase == "text":
+            counts = result.as_numpy("num_output_tokens")
+            return 0 if counts is None else int(counts.sum())
+        ids = result.as_numpy("output_ids")
+        n = 0 if ids is None else ids.size
+        if flight.phase == "decode" and len(flight.stamps) == 1 and n:
+            n -= 1  # a generation-only stream starts with the context phase's token again
+        return n
+
+    def _finish(self, request_id: str, now: float, failed: bool) -> None:
+        flight = self.flights.pop(request_id)
+        if not failed and flight.stamps and flight.sent >= self.window[0]:
+            self.ttfts.append(flight.stamps[0] - flight.sent)
+            if len(flight.stamps) > 1:
+                self.gaps.append(float(np.mean(np.diff(flight.stamps))))
+        if now < self.until:
+            self._send_new(now)
+        if not self.flights:
+            self._idle.notify_all()
+
+
+@contextlib.contextmanager
+def skipped_compute() -> Iterator[None]:
+    """Servers started inside get engines that skip the forward pass."""
+    old = os.environ.get(SKIP_COMPUTE_ENV)
+    os.environ[SKIP_COMPUTE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[SKIP_COMPUTE_ENV]
+        else:
+            os.environ[SKIP_COMPUTE_ENV] = old
+
+
+def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int) -> list[Level]:
+    from disagg.cli import build
+    from disagg.serve.server import TritonServer
+    from disagg.text import encode_prompt, load_tokenizer
+
+    spec = front_spec(config, out, max(levels))
+    build(spec, log=lambda _msg: None)
+    ids = encode_prompt(load_tokenizer(spec.model.path), PROMPT)
+    rows = []
+    with skipped_compute(), TritonServer(spec.model_repository, log_path=out / "server.log") as server:
+        driver = Driver(server.grpc_url, server.internal_key, ids, max_tokens)
+        try:
+            for path in PATHS:
+                driver.run(path, 4, 1.0)  # warm-up: connections, first-call imports
+            for streams in levels:
+                for path in PATHS:
+                    rows.append(driver.run(path, streams, seconds))
+                    r = rows[-1]
+                    print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.completed:>10}{r.errors:>8}", flush=True)
+        finally:
+            driver.close()
+    return rows
+
+
+def engine_ceiling(root: Path, batches: list[int]) -> dict[int, float]:
+    """Decode tokens/s of the computing reference engine on bench-100mb (disagg.bench.engine)."""
+    from disagg.bench.engine import decode_tokens_per_s
+
+    return decode_tokens_per_s(root, "bench-100mb", 256, 32, batches)
+
+
+def summary(rows: list[Level], ceiling: dict[int, float]) -> list[str]:
+    by = {(r.path, r.streams): r for r in rows}
+    lines = []
+    for front, direct in (("ensemble", "prefill + decode"), ("aggregated", "aggregated_engine")):
+        one_f, one_d = by.get((front, 1)), by.get((direct, 1))
+        if one_f and one_d:
+            lines.append(f"  {front} vs {direct}, 1 stream: TTFT +{one_f.ttft_ms - one_d.ttft_ms:.2f} ms, "
+                         f"per token +{one_f.gap_ms - one_d.gap_ms:.3f} ms")
+        ratios = [f"{s}: {by[(front, s)].tokens_per_s / by[(direct, s)].tokens_per_s:.2f}"
+                  for s in sorted({r.streams for r in rows}) if (front, s) in by and (direct, s) in by]
+        lines.append(f"  {front} / {direct} tokens/s by streams: " + ", ".join(ratios))
+    peak_front = max((r.tokens_per_s for r in rows if r.path == "ensemble"), default=0.0)
+    peak_engine = max(ceiling.values(), default=0.0)
+    if peak_engine:
+        lines.append(f"  front ceiling (ensemble, best level) {peak_front:.0f} tokens/s = {peak_front / peak_engine:.1f}x the computing "
+                     f"decode engine's best ({peak_engine:.0f} tokens/s on bench-100mb, batch {max(ceiling, key=ceiling.get)})")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m disagg.bench front", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=Path("configs/cpu-tiny.yaml"))
+    p.add_argument("--out", type=Path, default=Path("build/front-bench"))
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrent streams, comma-separated")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured window per path and level")
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args(argv)
+    levels = tuple(int(x) for x in args.levels.split(","))
+    print(f"front cost with engine compute skipped ({args.max_tokens} tokens per request, {args.seconds:g} s per row; "
+          "ms: TTFT p50, p50 of each request's mean gap between token responses)")
+    print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'requests':>10}{'errors':>8}")
+    rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens)
+    ceiling = engine_ceiling(Path("build"), [16, 64])
+    for line in summary(rows, ceiling):
+        print(line)
+    return 0

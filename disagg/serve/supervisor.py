@@ -1,0 +1,80 @@
+"""Keeps one tritonserver running: started again, on the same ports, when it dies on its own or hangs.
+
+A server that exits without being told to (a crash) is stopped properly (its process group ended, what
+it left swept) and started again at once, then after 1, 2, 4 ... s, at most MAX_SERVER_RESTARTS times within
+RESTART_WINDOW_S. A server that has answered no liveness probe for HUNG_AFTER_S is killed first: a crash
+that deadlocks in tritonserver's signal handler leaves a process that serves nothing and never exits.
+One told to stop that is still running `--exit-timeout-secs` + STOP_GRACE_S later is killed too.
+Clients (the API, the watchdog, an orchestrator) reach the new server at the same addresses.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+
+from disagg.serve.server import TritonServer
+
+PREFIX = "disagg-serve:"
+MAX_SERVER_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
+HUNG_AFTER_S = 15.0
+STOP_GRACE_S = 10.0
+
+
+class Supervised:
+    """`new_server()` builds the server (same ports every time); `signalled` is non-empty once a stop was
+    asked for; `name` is how the log calls it."""
+
+    def __init__(self, name: str, new_server: Callable[[], TritonServer], signalled: list[int]):
+        self.name, self.new_server, self.signalled = name, new_server, signalled
+        self.server = new_server()
+        self.restarts = 0
+
+    def run(self, ready_timeout_s: float) -> int:
+        """Until a stop is asked for, or the server crashed too often; returns its last exit code."""
+        crashes: list[float] = []
+        while True:
+            code = self._wait()
+            if self.signalled:
+                return code
+            now = time.monotonic()
+            crashes = [t for t in crashes if now - t < RESTART_WINDOW_S] + [now]
+            if len(crashes) > MAX_SERVER_RESTARTS:
+                self._log(f"{self.name} exited with code {code} {len(crashes)} times in {RESTART_WINDOW_S:.0f} s; giving up")
+                return code
+            self.server.stop()  # ends its stubs, sweeps what it left
+            delay = 0.0 if len(crashes) == 1 else 2.0 ** (len(crashes) - 2)
+            self.restarts += 1
+            self._log(f"{self.name} exited with code {code}; starting it again in {delay:.0f} s (server restart {len(crashes)})")
+            time.sleep(delay)
+            if self.signalled:
+                return code
+            self.server = self.new_server().start()
+            self.server.wait_ready(ready_timeout_s)
+            self._log(f"{self.name} ready again")
+
+    def _wait(self) -> int:
+        server = self.server
+        last_live, stop_asked = time.monotonic(), None
+        while True:
+            try:
+                return server.process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if self.signalled:
+                stop_asked = stop_asked or now
+                if now - stop_asked > (server.exit_timeout_s or 30) + STOP_GRACE_S:
+                    self._log(f"{self.name} still running {now - stop_asked:.0f} s after the stop; killing it")
+                    server.process.kill()
+            elif server.is_live():
+                last_live = now
+            elif now - last_live > HUNG_AFTER_S:
+                self._log(f"{self.name} has answered no liveness probe for {now - last_live:.0f} s; killing it")
+                server.process.kill()
+                last_live = now
+
+    @staticmethod
+    def _log(line: str) -> None:
+        print(f"{PREFIX} {line}", flush=True)
