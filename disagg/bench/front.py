@@ -10,6 +10,9 @@ and per path, side by side in one run:
     aggregated           text in, text out: the aggregated ensemble, same front, one engine
     aggregated_engine    that engine called directly
 
+`--step-ms 20` makes every engine step take 20 ms without using the CPU, as a GPU's decode step would, so
+the engines' own cost does not compete with the front for this machine's cores.
+
 Printed per row: output tokens/s (tokens received in the window / window), TTFT p50, and p50 over requests
 of their mean gap between token responses; then ensemble vs direct at one stream (TTFT and per-token cost
 added) and at each level (tokens/s ratio). The engines' own ceiling is printed beside it: the decode
@@ -33,7 +36,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import yaml
 
-from disagg.engine.no_compute import SKIP_COMPUTE_ENV
+from disagg.engine.no_compute import SKIP_COMPUTE_ENV, STEP_MS_ENV
 from disagg.engine.sampling import NO_END_ID
 from disagg.triton.credential import PARAMETER
 from tools.stream_client import build_inputs
@@ -212,20 +215,21 @@ class Driver:
 
 
 @contextlib.contextmanager
-def skipped_compute() -> Iterator[None]:
-    """Servers started inside get engines that skip the forward pass."""
-    old = os.environ.get(SKIP_COMPUTE_ENV)
-    os.environ[SKIP_COMPUTE_ENV] = "1"
+def skipped_compute(step_ms: float) -> Iterator[None]:
+    """Servers started inside get engines that skip the forward pass, each step taking `step_ms`."""
+    old = {name: os.environ.get(name) for name in (SKIP_COMPUTE_ENV, STEP_MS_ENV)}
+    os.environ.update({SKIP_COMPUTE_ENV: "1", STEP_MS_ENV: str(step_ms)})
     try:
         yield
     finally:
-        if old is None:
-            del os.environ[SKIP_COMPUTE_ENV]
-        else:
-            os.environ[SKIP_COMPUTE_ENV] = old
+        for name, value in old.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
-def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int) -> list[Level]:
+def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0) -> list[Level]:
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
@@ -234,7 +238,7 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
     build(spec, log=lambda _msg: None)
     ids = encode_prompt(load_tokenizer(spec.model.path), PROMPT)
     rows = []
-    with skipped_compute(), TritonServer(spec.model_repository, log_path=out / "server.log") as server:
+    with skipped_compute(step_ms), TritonServer(spec.model_repository, log_path=out / "server.log") as server:
         driver = Driver(server.grpc_url, server.internal_key, ids, max_tokens)
         try:
             for path in PATHS:
@@ -282,12 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrent streams, comma-separated")
     p.add_argument("--seconds", type=float, default=5.0, help="measured window per path and level")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="each engine step takes this long without using the CPU, as on a GPU (default 0: as fast as it goes)")
     args = p.parse_args(argv)
     levels = tuple(int(x) for x in args.levels.split(","))
-    print(f"front cost with engine compute skipped ({args.max_tokens} tokens per request, {args.seconds:g} s per row; "
+    step = f"{args.step_ms:g} ms per engine step" if args.step_ms else "engine steps as fast as they go"
+    print(f"front cost with engine compute skipped ({step}; {args.max_tokens} tokens per request, {args.seconds:g} s per row; "
           "ms: TTFT p50, p50 of each request's mean gap between token responses)")
     print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'requests':>10}{'errors':>8}")
-    rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens)
+    rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms)
     ceiling = engine_ceiling(Path("build"), [16, 64])
     for line in summary(rows, ceiling):
         print(line)

@@ -1,0 +1,49 @@
+"""The front-end benchmark's pieces: the engine that skips its forward pass keeps the engine's contract,
+and `python -m disagg.bench front` measures every path on a real tritonserver."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_helpers import EngineFactory
+
+from disagg.bench.front import PATHS, measure
+from disagg.engine.engine import ContextPhase, LLMEngine, Request
+from disagg.engine.sampling import NO_END_ID
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _expected(last: int, n: int, vocab: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        last = (last * 31 + 7) % vocab
+        out.append(last)
+    return out
+
+
+def test_skipped_compute_follows_its_rule_frees_its_blocks_and_hands_off_like_the_engine(tmp_path):
+    factory = EngineFactory(tmp_path)
+    agg = LLMEngine(factory.engine_dir(), skip_compute=True)
+    vocab = agg.config.model.vocab_size
+    prompt = (5, 77, 300)
+    got = agg.generate([Request("a", prompt, 12, end_id=NO_END_ID)])["a"]
+    assert got == _expected(300, 12, vocab)
+    assert agg.blocks.num_used == 0
+    prefill = LLMEngine(factory.engine_dir(role="prefill"), skip_compute=True)
+    decode = LLMEngine(factory.engine_dir(role="decode"), skip_compute=True)
+    first = prefill.generate([Request("d", prompt, 12, "context_only", end_id=NO_END_ID)])["d"]
+    ctx = ContextPhase(first[0], prefill.export_kv("d"))
+    assert prefill.release("d")
+    tokens = decode.generate([Request("d", prompt, 12, "generation_only", end_id=NO_END_ID, context=ctx)])["d"]
+    assert tokens == got  # starts with the context phase's token again, as a generation-only request does
+    assert prefill.blocks.num_used == 0 and decode.blocks.num_used == 0
+
+
+@pytest.mark.e2e
+def test_the_front_bench_measures_every_path_without_errors(tmp_path):
+    rows = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (2,), 1.0, 16)
+    assert [r.path for r in rows] == list(PATHS)
+    for r in rows:
+        assert r.errors == 0 and r.completed > 0 and r.tokens_per_s > 0, r
+        assert 0 < r.ttft_ms < 1000 and r.gap_ms > 0, r
