@@ -52,6 +52,7 @@ class Report:
     duration_s: float
     outcomes: dict[str, int] = field(default_factory=dict)  # completed / error / cancelled / hung / bad_input_refused
     errors: dict[str, int] = field(default_factory=dict)  # first 80 characters of each error text -> count
+    hung: list[dict] = field(default_factory=list)  # {"sent_at_s", "model", "cancelled"} of each hung request
     faults: list[dict] = field(default_factory=list)  # {"fault", "at_s", "served_again_after_s"}
     kv_blocks_in_use: dict[str, float] = field(default_factory=dict)
     handoffs_held: float = 0.0
@@ -158,10 +159,12 @@ def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
         client.close()
 
 
-def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter, errors: Counter, lock: threading.Lock) -> None:
+def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter, errors: Counter, hung: list,
+            lock: threading.Lock, started: float) -> None:
     rng = random.Random(seed)
     key, engines = internal_key(dep.key), dep.engine_urls
     while not stop.is_set():
+        sent = time.monotonic()
         roll = rng.random()
         model = rng.choice(["ensemble", "ensemble", "aggregated"])
         prompt = f"{rng.choice(PROMPTS)} {rng.randrange(1000)}"
@@ -189,6 +192,8 @@ def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter
             outcomes[outcome] += 1
             if outcome == "error":
                 errors[message[:80]] += 1
+            if outcome == "hung":
+                hung.append({"sent_at_s": round(sent - started, 1), "model": model, "cancelled": 0.1 <= roll < 0.3})
 
 
 def _served_again(dep: Deployment, since: float, limit_s: float = 30.0) -> float | None:
@@ -229,8 +234,9 @@ def run(repo: Path, duration_s: float, clients: int, pause_s: float, log: Path) 
     dep = Deployment(repo, log)
     stop, lock = threading.Event(), threading.Lock()
     outcomes, errors = Counter(), Counter()
-    threads = [threading.Thread(target=_client, args=(dep, i, stop, outcomes, errors, lock), daemon=True) for i in range(clients)]
     started = time.monotonic()
+    threads = [threading.Thread(target=_client, args=(dep, i, stop, outcomes, errors, report.hung, lock, started), daemon=True)
+               for i in range(clients)]
     try:
         for t in threads:
             t.start()
