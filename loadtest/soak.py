@@ -6,7 +6,7 @@ one in ten is a request from the bad-input catalog (loadtest/bad_inputs.py). Fau
 of the run: `kill -9` of the decode stub, `kill -9` of the prefill stub, the decode stub stopped
 (SIGSTOP) for `--pause` seconds and resumed. Every request has a deadline; one that passes it without an
 answer is hung. Prints and writes (`--out`, JSON): requests completed, failed with an error, cancelled,
-hung (must be 0); for each fault the seconds until the deployment served again; KV blocks and handoffs
+hung (must be 0), ended early without an error (must be 0); for each fault the seconds until the deployment served again; KV blocks and handoffs
 held at the end (must be 0); shared-memory objects of the deployment after the stop (must be 0);
 restarts of the main server, which runs the ensembles and orchestrators (must be 0); and restarts of the
 tritonservers that run one engine model each (disagg-serve's isolation: a stub killed at the wrong moment
@@ -50,9 +50,9 @@ FAULTS = ((0.2, "kill -9 decode"), (0.45, "kill -9 prefill"), (0.7, "pause decod
 @dataclass
 class Report:
     duration_s: float
-    outcomes: dict[str, int] = field(default_factory=dict)  # completed / error / cancelled / hung / bad_input_refused
+    outcomes: dict[str, int] = field(default_factory=dict)  # completed / error / cancelled / hung / truncated / bad_input_refused
     errors: dict[str, int] = field(default_factory=dict)  # first 80 characters of each error text -> count
-    hung: list[dict] = field(default_factory=list)  # {"sent_at_s", "model", "cancelled"} of each hung request
+    hung: list[dict] = field(default_factory=list)  # {"sent_at_s", "model", "cancelled", "outcome"} of each hung or truncated request
     faults: list[dict] = field(default_factory=list)  # {"fault", "at_s", "served_again_after_s"}
     kv_blocks_in_use: dict[str, float] = field(default_factory=dict)
     handoffs_held: float = 0.0
@@ -65,6 +65,8 @@ class Report:
         bad = []
         if self.outcomes.get("hung"):
             bad.append(f"{self.outcomes['hung']} requests hung")
+        if self.outcomes.get("truncated"):
+            bad.append(f"{self.outcomes['truncated']} answers ended early without an error")
         if any(self.kv_blocks_in_use.values()) or self.handoffs_held:
             bad.append(f"KV held at the end: {self.kv_blocks_in_use}, handoffs {self.handoffs_held}")
         if self.shm_leftovers:
@@ -139,16 +141,20 @@ class Deployment:
 
 
 def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
-    """Streams a long request and cancels it after `after` responses; 'cancelled', or 'error: ...'."""
+    """Streams a long request and cancels it after `after` responses: 'cancelled'; 'error: ...'; 'truncated'
+    when the answer ended, without an error, before that (200 tokens were asked for and no token ends it);
+    'hung' when a response takes longer than REQUEST_DEADLINE_S."""
     client = grpcclient.InferenceServerClient(url)
     got: queue.Queue = queue.Queue()
     try:
-        client.start_stream(callback=lambda result, error: got.put(error))
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
         client.async_stream_infer(model, build_inputs(prompt, 200, end_id=NO_END_ID), enable_empty_final_response=True)
         for _ in range(after):
-            error = got.get(timeout=REQUEST_DEADLINE_S)
+            result, error = got.get(timeout=REQUEST_DEADLINE_S)
             if error is not None:
                 return f"error: {error.message()}"
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return "truncated"
         return "cancelled"
     except InferenceServerException as exc:  # e.g. the stream broke before the request was sent
         return f"error: {exc.message()}"
@@ -192,8 +198,8 @@ def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter
             outcomes[outcome] += 1
             if outcome == "error":
                 errors[message[:80]] += 1
-            if outcome == "hung":
-                hung.append({"sent_at_s": round(sent - started, 1), "model": model, "cancelled": 0.1 <= roll < 0.3})
+            if outcome in ("hung", "truncated"):
+                hung.append({"sent_at_s": round(sent - started, 1), "model": model, "cancelled": 0.1 <= roll < 0.3, "outcome": outcome})
 
 
 def _served_again(dep: Deployment, since: float, limit_s: float = 30.0) -> float | None:
