@@ -275,6 +275,7 @@ def call_engine(server, model: str, inputs, request_type: str) -> list:
 def test_engine_models_refuse_callers_without_the_internal_credential(server, key):
     """An outside client that sends context_only to prefill would hold KV for a lease: it is refused first."""
     ids = [0, 41, 273, 77]
+    assert wait_kv_zero(server) == {"prefill": 0, "decode": 0, "aggregated": 0}  # what earlier tests held is drained
     client = grpcclient.InferenceServerClient(server.grpc_url)
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
