@@ -60,7 +60,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
 _DONE = object()
 CANCEL_CHECK_S = 0.05
-COALESCE_BACKLOG = 8  # engine responses waiting for the request's worker before they are sent as one
 STOP_TIMEOUT_S = 5.0  # for a `stop` or a drain: cleanup, never on a client's path
 DRAIN_WAIT_S = 10.0  # how long a drain waits for a dead decode to be reloaded (else the lease reclaims)
 # Inputs the orchestrator reads for itself, not forwarded: the client's `stream`, and `exclude_input_in_output`
@@ -172,23 +171,14 @@ class Hop:
             self.clients.give(self.url, self.client)
 
     def results(self, timeout_s: float, cancelled):
-        """Yields (output_ids, context_phase_params) per non-empty response, or, once COALESCE_BACKLOG
-        responses wait behind the caller, of all waiting ones together (their tokens in order, the last
-        params): a consumer that has fallen behind gets fewer, fuller responses instead of falling further
-        behind, while one that keeps up streams token by token. Checks cancellation every 50 ms."""
+        """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms."""
         deadline = time.monotonic() + timeout_s
         check = cancel_board.Throttle(CANCEL_CHECK_S, due_now=False)
-        held = None  # the end or an error found while coalescing: handled after the tokens before it
         while True:
-            if held is not None:
-                item, held = held, None
-            else:
-                try:
-                    item = self.results_queue.get(timeout=CANCEL_CHECK_S)
-                except queue.Empty:
-                    item = None
-            if isinstance(item, tuple) and self.results_queue.qsize() >= COALESCE_BACKLOG:
-                item, held = self._coalesce(item)
+            try:
+                item = self.results_queue.get(timeout=CANCEL_CHECK_S)
+            except queue.Empty:
+                item = None
             now = time.monotonic()
             if check.due():  # every CANCEL_CHECK_S, tokens or not
                 with STUB_LOCK:
@@ -208,20 +198,6 @@ class Hop:
                 raise item
             deadline = now + timeout_s
             yield item
-
-    def _coalesce(self, first: tuple[list[int], np.ndarray | None]):
-        """`first` merged with the token responses already waiting; returns it and the item that stopped
-        the merge (the end, an error) or None."""
-        tokens, params = first
-        while True:
-            try:
-                item = self.results_queue.get_nowait()
-            except queue.Empty:
-                return (tokens, params), None
-            if not isinstance(item, tuple):
-                return (tokens, params), item
-            tokens = tokens + item[0]
-            params = item[1] if item[1] is not None else params
 
 
 class ClientStream:
