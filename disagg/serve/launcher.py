@@ -31,6 +31,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from disagg.serve.health import engine_models
@@ -129,7 +130,7 @@ class Servers:
     def start(self, ready_timeout_s: float) -> None:
         if self.isolated:  # each server then sweeps only its own leftovers: the deployment's are swept here
             if end_orphan_stubs(self.repository):
-                threading.Event().wait(0.2)
+                time.sleep(0.2)  # their mappings go with them
             sweep(self.key)
             internal_key(self.key)  # created once, before any engine asks for it
         for sup in self.supervised:
