@@ -5,6 +5,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
@@ -123,11 +125,11 @@ def test_two_pools_ids_restart_in_each_pool(tmp_path):
 
 def _mpirun_segments(script: str) -> list[list[str]]:
     """The MPMD segments of the script's mpirun line, each without its `-n 1`."""
-    line = script[script.index("exec mpirun") :].replace("\\\n", " ")
-    argv = shlex.split(line)
-    assert argv[:3] == ["exec", "mpirun", "--allow-run-as-root"]
+    line = script[script.index("mpirun --allow-run-as-root") :].replace("\\\n", " ").split("\n")[0]
+    argv = shlex.split(line.removesuffix(" &"))
+    assert argv[:2] == ["mpirun", "--allow-run-as-root"]
     segments, current = [], []
-    for arg in argv[3:] + [":"]:
+    for arg in argv[2:] + [":"]:
         if arg == ":":
             assert current[:2] == ["-n", "1"]
             segments.append(current[2:])
@@ -153,12 +155,25 @@ def test_h200_launch_script(h200):
         assert argv[:2] == ["tritonserver", repo]
         assert "--disable-auto-complete-config" in argv
         assert argv[-1] == f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"
-    assert not any(a.startswith("--model-control-mode") for a in segments[0])  # rank 0 loads everything
-    loads = [[a for a in argv if a.startswith("--load-model=")] for argv in segments[1:]]
-    assert loads == [["--load-model=prefill"]] * 4 + [["--load-model=decode"]] * 2 + [["--load-model=decode_1"]] * 2
-    assert all("--model-control-mode=explicit" in argv for argv in segments[1:])
+    loads = [[a for a in argv if a.startswith("--load-model=")] for argv in segments]
+    assert loads == [["--load-model=prefill", "--load-model=decode", "--load-model=decode_1"]] + \
+        [["--load-model=prefill"]] * 4 + [["--load-model=decode"]] * 2 + [["--load-model=decode_1"]] * 2
+    assert all("--model-control-mode=explicit" in argv for argv in segments)
+    # Rank 0 serves the engines on loopback only; the workers serve nothing (launch_triton_server.py --multi-model).
+    assert [a for a in segments[0] if "-port=" in a or "-address=" in a] == [
+        "--http-port=8010", "--grpc-port=8011", "--metrics-port=8012",
+        "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+    ]  # fmt: skip
+    assert not any("-port=" in a for argv in segments[1:] for a in argv)
+    # The front runs beside the MPI world, on the public ports, and loads no engine.
+    front = shlex.split(next(line for line in script.splitlines() if line.startswith("tritonserver ")).removesuffix(" &"))
+    assert [a for a in front if a.startswith("--load-model=") or "-port=" in a] == [
+        "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--load-model=preprocessing",
+        "--load-model=postprocessing", "--load-model=disagg_orchestrator", "--load-model=ensemble",
+    ]  # fmt: skip
+    assert not any("-address=" in a for a in front)
     assert _exports(script) == {
-        "DISAGG_ENGINE_GRPC_URL": "127.0.0.1:8001",
+        "DISAGG_ENGINE_GRPC_URL": "127.0.0.1:8011",
         "TRTLLM_ORCHESTRATOR": "1",
         "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "0",  # 1.0 pins the MPI transceiver: no TRTLLM_USE_*_KVCACHE
         "UCX_MEMTYPE_CACHE": "n",
@@ -197,13 +212,20 @@ def test_two_pools_get_one_script_and_world_each(tmp_path):
     assert list(scripts) == ["launch-prefill-pool.sh", "launch-decode-pool.sh"]
     front, back = (_mpirun_segments(scripts[name]) for name in scripts)
     assert len(front) == len(back) == 9  # 1 + 4 x TP2, and 1 + 2 x TP4
-    # Rank 0 of the first pool serves the whole repository but the other pool's engine.
-    assert [a for a in front[0] if a.startswith("--load-model=")] == [
-        "--load-model=preprocessing", "--load-model=postprocessing", "--load-model=prefill",
-        "--load-model=prefill_1", "--load-model=prefill_2", "--load-model=prefill_3",
-        "--load-model=disagg_orchestrator", "--load-model=ensemble",
+    # Rank 0 of the first pool serves its engines on loopback, beside the front's own server; the decode
+    # pool's serves its engines on 8001, where the front's orchestrator calls them.
+    assert [a for a in front[0] if a.startswith("--load-model=") or a.startswith("--grpc-")] == [
+        "--grpc-port=8011", "--grpc-address=127.0.0.1", "--load-model=prefill", "--load-model=prefill_1",
+        "--load-model=prefill_2", "--load-model=prefill_3",
     ]  # fmt: skip
-    assert [a for a in back[0] if a.startswith("--load-model=")] == ["--load-model=decode", "--load-model=decode_1"]
+    front_server = next(line for line in scripts["launch-prefill-pool.sh"].splitlines() if line.startswith("tritonserver "))
+    assert [a for a in shlex.split(front_server) if a.startswith("--load-model=")] == [
+        "--load-model=preprocessing", "--load-model=postprocessing", "--load-model=disagg_orchestrator", "--load-model=ensemble",
+    ]  # fmt: skip
+    assert [a for a in back[0] if a.startswith("--load-model=") or a.startswith("--grpc-")] == [
+        "--grpc-port=8001", "--load-model=decode", "--load-model=decode_1",
+    ]  # fmt: skip
+    assert "exec mpirun" in scripts["launch-decode-pool.sh"] and "\ntritonserver " not in scripts["launch-decode-pool.sh"]
     assert "the orchestrator here reaches decode at decode-pool:8001, decode_1 at decode-pool:8001 over gRPC" in scripts["launch-prefill-pool.sh"]
     assert "calls this pool's models over gRPC at decode-pool:8001" in scripts["launch-decode-pool.sh"]
     assert _exports(scripts["launch-decode-pool.sh"])["TRTLLM_USE_UCX_KVCACHE"] == "1"
@@ -281,3 +303,42 @@ def test_launch_script_names_each_missing_path_before_starting(tmp_path):
     (tmp_path / "model_repository").mkdir()
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "MODEL_REPOSITORY": str(tmp_path / "model_repository")})
     assert "model repository" not in run.stderr and run.returncode == 1
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("first_to_end", ["front", "engines"])
+def test_launch_script_ends_the_deployment_when_either_server_ends(tmp_path, first_to_end):
+    """With stand-ins for tritonserver and mpirun: the front and the MPI world start side by side, and
+    whichever ends first takes the other down, with its exit code."""
+    engine_root = tmp_path / "engines"
+    spec = example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["output"].update(engine_root=str(engine_root)))
+    for role in ("prefill", "decode"):
+        (engine_root / role).mkdir(parents=True)
+        (engine_root / role / "config.json").write_text("{}")
+    (tmp_path / "model_repository").mkdir()
+    script = tmp_path / "launch" / "launch.sh"
+    script.parent.mkdir()
+    script.write_text(_scripts(spec)["launch.sh"])
+    bin_dir, log = tmp_path / "bin", tmp_path / "started"
+    bin_dir.mkdir()
+    for name, role in (("tritonserver", "front"), ("mpirun", "engines")):
+        ends = "sleep 0.5; exit 7" if role == first_to_end else "exec sleep 60"
+        (bin_dir / name).write_text(f'#!/bin/bash\necho "{role} $$" >> {log}\n{ends}\n')
+        (bin_dir / name).chmod(0o755)
+    started = time.monotonic()
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert run.returncode == 7 and time.monotonic() - started < 10, run.stderr
+    pids = dict(line.split() for line in log.read_text().splitlines())
+    assert set(pids) == {"front", "engines"}
+    time.sleep(0.2)
+    running = [pid for pid in pids.values() if _state(pid) not in (None, "Z")]
+    assert not running, "the other one was not ended"
+
+
+def _state(pid: str) -> str | None:
+    """A process's state letter (Z: ended, not yet reaped), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None

@@ -15,7 +15,8 @@ ports given: in Triton 2.51 a Python stub killed while it holds one of the backe
 aborts the server that runs it, and that must not take the ensembles and every other engine down with
 it. The orchestrators reach the engine servers through $DISAGG_ENGINE_URLS. Every server runs with
 `--model-control-mode=explicit`, so that a watchdog (disagg.serve.watchdog) can reload an engine model
-whose instance died; `--one-server` runs everything in one server instead.
+whose instance died; `--one-server` runs everything in one server instead. Each server's output is
+printed prefixed with `[main]` or `[<engine model>]`.
 
 Once every model is loaded it starts the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/ready` + `/live` for probes, and `/metrics` with every server's metrics; disagg/openai)
@@ -96,21 +97,22 @@ class Servers:
         isolate = self.controlled and not args.one_server and not more
         engines = [e.name for e in engine_models(self.repository)] if isolate else []
 
-        def server(ports: tuple[int | None, ...], load: list[str], env: dict[str, str], address: str | None, extra: list[str]):
+        def server(label: str, ports: tuple[int | None, ...], load: list[str], env: dict[str, str], address: str | None, extra: list[str]):
             return lambda: TritonServer(
                 first, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2], address=address,
                 extra_args=[*extra, *(["--model-control-mode=explicit", *(f"--load-model={m}" for m in load)] if self.controlled else [])],
                 exit_timeout_s=args.exit_timeout_secs, backend_dir=args.backend_directory, env=env, sweeps_deployment=not isolate,
+                label=label,
             )
 
         self.engines: dict[str, Supervised] = {}
         for name in engines:
             ports = tuple(free_ports(3))
-            self.engines[name] = Supervised(f"tritonserver of {name}", server(ports, [name], {}, "127.0.0.1", []), signalled)
+            self.engines[name] = Supervised(f"tritonserver of {name}", server(name, ports, [name], {}, "127.0.0.1", []), signalled)
         urls = ",".join(f"{name}={sup.server.grpc_url}" for name, sup in self.engines.items())
         front_models = [m for m in _models(self.repository) if m not in self.engines] if isolate else ["*"]
         self.main = Supervised("tritonserver", server(
-            (args.http_port, args.grpc_port, args.metrics_port), front_models, {ENGINE_URLS_ENV: urls} if urls else {},
+            "main", (args.http_port, args.grpc_port, args.metrics_port), front_models, {ENGINE_URLS_ENV: urls} if urls else {},
             None if chooses_address else "127.0.0.1", [*(f"--model-repository={r}" for r in more), *passthrough],
         ), signalled)
         self.isolated = isolate

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ _LIBPYTHON = f"libpython{_PY_VERSION}.so.1.0"
 _SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/lib", "/usr/lib")
 _PR_SET_PDEATHSIG = 1
 _GLOG_ERROR = re.compile(r"E\d{4} ")  # Triton's log lines of severity ERROR: E<month><day> <time> ...
+# tritonserver's own handler prints this for any fatal signal (SIGSEGV, SIGABRT) and for a stop (SIGINT,
+# SIGTERM); a Python stub never does.
+_SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.")
+_OUTPUT_LOCK = threading.Lock()
 
 
 class ServerError(RuntimeError):
@@ -163,8 +168,10 @@ class TritonServer:
     directory; None prepares one for the bundled server. `env`: variables to add to its environment.
     `sweeps_deployment`: whether its start and stop remove the deployment's shared-memory objects
     (disagg.serve.leftovers); a server that is one of several of a deployment leaves that to whoever
-    runs them all, and removes only the Python-backend regions its own run left. The server gets SIGTERM
-    if the thread that started it dies. Use as a context manager (start, wait until ready, stop on exit)
+    runs them all, and removes only the Python-backend regions its own run left. `label`: with no
+    `log_path`, the server's output is copied to ours line by line, each prefixed `[label] `, and a
+    fatal-signal line sets `crashed_at` (a crash can deadlock in tritonserver's signal handler and
+    never exit). The server gets SIGTERM if the thread that started it dies. Use as a context manager (start, wait until ready, stop on exit)
     or call start/wait_ready/stop.
     """
 
@@ -182,10 +189,14 @@ class TritonServer:
         backend_dir: str | Path | None = None,
         env: dict[str, str] | None = None,
         sweeps_deployment: bool = True,
+        label: str | None = None,
     ):
         self.model_repository = Path(model_repository)
         self.env = dict(env or {})
         self.sweeps_deployment = sweeps_deployment
+        self.label = label
+        self.crashed_at: float | None = None  # monotonic time of the fatal-signal line (with `label`)
+        self.crash_line = ""
         picked = iter(free_ports([http_port, grpc_port, metrics_port].count(None)))
         self.http_port = next(picked) if http_port is None else http_port
         self.grpc_port = next(picked) if grpc_port is None else grpc_port
@@ -265,15 +276,31 @@ class TritonServer:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_path, "ab")
+        elif self.label is not None:
+            out = subprocess.PIPE
         try:
             self.process = subprocess.Popen(
                 self.command(), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
             )
         finally:
-            if out is not None:
+            if out not in (None, subprocess.PIPE):
                 out.close()
+        if out is subprocess.PIPE:
+            threading.Thread(target=self._relay_output, name=f"output-{self.label}", daemon=True).start()
         return self
+
+    def _relay_output(self) -> None:
+        """Copies the server's (and its stubs') output to ours, prefixed, noting a fatal signal."""
+        prefix = f"[{self.label}] ".encode()
+        with self.process.stdout as lines:
+            for line in lines:
+                crash = _SIGNAL_LINE.match(line)
+                if crash and int(crash[1]) not in (signal.SIGINT, signal.SIGTERM) and self.crashed_at is None:
+                    self.crashed_at, self.crash_line = time.monotonic(), line.decode(errors="replace").strip()
+                with _OUTPUT_LOCK, contextlib.suppress(OSError, ValueError):  # our stdout closed: keep draining
+                    sys.stdout.buffer.write(prefix + line)
+                    sys.stdout.buffer.flush()
 
     def log_excerpt(self, lines: int = 40) -> str:
         """The log's error lines (a model's load failure scrolls far up behind the shutdown tables),

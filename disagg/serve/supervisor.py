@@ -2,8 +2,10 @@
 
 A server that exits without being told to (a crash) is stopped properly (its process group ended, what
 it left swept) and started again at once, then after 1, 2, 4 ... s, at most MAX_SERVER_RESTARTS times within
-RESTART_WINDOW_S. A server that has answered no liveness probe for HUNG_AFTER_S is killed first: a crash
-that deadlocks in tritonserver's signal handler leaves a process that serves nothing and never exits.
+RESTART_WINDOW_S. A server that printed a fatal signal and is still running CRASH_EXIT_S later, or has
+answered no liveness probe for HUNG_AFTER_S, is killed first: a crash that deadlocks in tritonserver's
+signal handler (`malloc(): unaligned tcache chunk detected`, then `Signal (6) received.` over and over)
+leaves a process that serves nothing, never exits, and may still answer `/v2/health/live`.
 One told to stop that is still running `--exit-timeout-secs` + STOP_GRACE_S later is killed too.
 Clients (the API, the watchdog, an orchestrator) reach the new server at the same addresses.
 """
@@ -19,6 +21,7 @@ PREFIX = "disagg-serve:"
 MAX_SERVER_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 HUNG_AFTER_S = 15.0
+CRASH_EXIT_S = 2.0
 STOP_GRACE_S = 10.0
 
 
@@ -68,6 +71,10 @@ class Supervised:
                 if now - stop_asked > (server.exit_timeout_s or 30) + STOP_GRACE_S:
                     self._log(f"{self.name} still running {now - stop_asked:.0f} s after the stop; killing it")
                     server.process.kill()
+            elif server.crashed_at is not None and now - server.crashed_at > CRASH_EXIT_S:
+                self._log(f"{self.name} printed {server.crash_line!r} and is still running {now - server.crashed_at:.0f} s later; killing it")
+                server.process.kill()
+                server.crashed_at = None
             elif server.is_live():
                 last_live = now
             elif now - last_live > HUNG_AFTER_S:

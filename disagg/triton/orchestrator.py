@@ -170,6 +170,21 @@ class Hop:
         else:
             self.clients.give(self.url, self.client)
 
+    def end(self, timeout_s: float) -> None:
+        """Closes a hop cut short (cancelled, failed) once the engine has ended its request, which the
+        `stop` sent after it makes happen at once. Only when that does not come within `timeout_s`, or an
+        instance died, is the stream cancelled: gRPC stream cancellations are what crashed Triton 2.51
+        servers under load (README, Known problems), so the orchestrator avoids making them."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and all(load_board.pid_alive(pid) for pid in self.pids):
+            try:
+                if self.results_queue.get(timeout=CANCEL_CHECK_S) is _DONE:
+                    self.close()
+                    return
+            except queue.Empty:
+                pass
+        self.close(cancel=True)
+
     def results(self, timeout_s: float, cancelled):
         """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms."""
         deadline = time.monotonic() + timeout_s
@@ -267,7 +282,7 @@ class TritonPythonModel:
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
         self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
-        self.closer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hop-close")
+        self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
         self.clients = ClientPool()
         self.metrics = Metrics(f"orchestrator-{self.mode}", self.instance)
         self.ttft = self.metrics.histogram("disagg_ttft_seconds", "Request arrival at the orchestrator -> first token sent", TTFT_BUCKETS)
@@ -449,7 +464,7 @@ class TritonPythonModel:
         try:
             yield hop
         except BaseException:
-            self.closer.submit(hop.close, True)  # the engine may never finish the stream (timeout, hung engine)
+            self.closer.submit(hop.end, STOP_TIMEOUT_S)  # the engine may never finish the stream (timeout, hung engine)
             raise
         self.closer.submit(hop.close)  # closing a stream takes ~1 ms: not on the request's path
 

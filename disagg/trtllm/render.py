@@ -26,6 +26,9 @@ TRTLLM_KV_BACKENDS = ("ucx", "nixl", "mpi")
 # decoding (and holding KV blocks). Upstream's default is 100 ms.
 CANCELLATION_CHECK_PERIOD_MS = 20
 PORTS = {"http": 8000, "grpc": ENGINE_GRPC_PORT, "metrics": 8002}  # launch_triton_server.py's defaults
+# The front node's engines' server (MPI rank 0) listens here, on loopback only: the tensorrtllm backend
+# checks no credential, so outside clients must not reach its models (a context-only request holds KV).
+PRIVATE_PORTS = {"http": 8010, "grpc": 8011, "metrics": 8012}
 # UCX settings that put KV transfers on NVLink ("Set A" in TensorRT-LLM's disaggregated-serving docs).
 NVLINK_ENV = (
     ("UCX_MEMTYPE_CACHE", "n"),
@@ -234,20 +237,22 @@ def _engine_config(spec: DeploymentSpec, role: RoleSpec, name: str, mine: list[I
 REPOSITORY_ARG = '--model-repository="$MODEL_REPOSITORY"'
 
 
-def _rank_argv(rank: int, load: list[str] | None) -> str:
-    """One tritonserver of the MPMD line, as launch_triton_server.py builds it; `load` None loads all."""
+def _server_argv(load: list[str], shm_prefix: str, ports: dict[str, int] | None, address: str | None = None) -> str:
+    """One tritonserver command, as launch_triton_server.py (`--multi-model`) builds each rank's: worker
+    ranks get no ports (they never serve)."""
     argv = ["tritonserver"]
-    argv += [f"--{kind}-port={port}" for kind, port in PORTS.items()]
-    if load is not None:
-        argv += ["--model-control-mode=explicit", *(f"--load-model={name}" for name in load)]
-    argv += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+    argv += [f"--{kind}-port={port}" for kind, port in (ports or {}).items()]
+    if address is not None:
+        argv += [f"--{kind}-address={address}" for kind in ports]
+    argv += ["--model-control-mode=explicit", *(f"--load-model={name}" for name in load)]
+    argv += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
     return " ".join([argv[0], REPOSITORY_ARG, *map(shlex.quote, argv[1:])])
 
 
 def _environment_vars(spec: DeploymentSpec) -> list[tuple[str, str]]:
     env = [("TRTLLM_ORCHESTRATOR", "1"), ("TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES", "0")]
-    # The disagg orchestrator reaches the engine models through this server's gRPC endpoint.
-    env.append((ENGINE_URL_ENV, f"127.0.0.1:{PORTS['grpc']}"))
+    # The disagg orchestrator reaches this node's engine models at the engines' private server.
+    env.append((ENGINE_URL_ENV, f"127.0.0.1:{PRIVATE_PORTS['grpc']}"))
     if spec.disaggregated:
         env += versions.release_of(spec).transport_env(spec.kv_transfer.backend)
         if spec.kv_transfer.nvlink:
@@ -255,16 +260,15 @@ def _environment_vars(spec: DeploymentSpec) -> list[tuple[str, str]]:
     return env
 
 
-def _models_here(spec: DeploymentSpec, node: str, models: list[str]) -> list[str] | None:
-    """What rank 0 on `node` loads: None (everything) on a single node; else this pool's engine models,
-    plus, in the first pool, every model of the repository (`models`) that is not another pool's engine."""
-    all_nodes = nodes(spec)
-    if len(all_nodes) == 1:
-        return None
-    elsewhere = {m for r in _roles(spec) if r.node != node for m in role_models(spec, r.name)}
-    if node == all_nodes[0]:
-        return [m for m in models if m not in elsewhere]
+def _engines_here(spec: DeploymentSpec, node: str) -> list[str]:
+    """The engine models whose instances run on `node`: what its MPI rank 0 loads."""
     return [m for r in _roles(spec) if r.node == node for m in role_models(spec, r.name)]
+
+
+def _front_models(spec: DeploymentSpec, models: list[str]) -> list[str]:
+    """The models of the repository (`models`) that are no engine: ensembles, orchestrators, pre/post."""
+    engines = {m for r in _roles(spec) for m in role_models(spec, r.name)}
+    return [m for m in models if m not in engines]
 
 
 def _connection(spec: DeploymentSpec, node: str) -> list[str]:
@@ -281,10 +285,18 @@ def _connection(spec: DeploymentSpec, node: str) -> list[str]:
 
 
 def _launch_script(spec: DeploymentSpec, node: str, models: list[str]) -> str:
+    """The front node runs the front's models in a tritonserver of their own on the public ports, and its
+    engines in the MPI world, whose rank 0 listens on loopback; another pool's rank 0 serves its engines
+    on the usual ports, for the front node's orchestrator."""
     layout = mpi_world(spec, node)
-    rank0_load = _models_here(spec, node, models)
-    segments = [_rank_argv(0, rank0_load)]
-    segments += [_rank_argv(rank, [model_name(spec, x)]) for x in layout for rank in x.ranks]
+    is_front = node == nodes(spec)[0]
+    rank0 = _engines_here(spec, node)
+    if is_front:
+        segments = [_server_argv(rank0, "prefix0_", PRIVATE_PORTS, "127.0.0.1")]
+        front = _server_argv(_front_models(spec, models), "front_", PORTS)
+    else:
+        segments, front = [_server_argv(rank0, "prefix0_", PORTS)], None
+    segments += [_server_argv([model_name(spec, x)], f"prefix{rank}_", None) for x in layout for rank in x.ranks]
     engines = {model_name(spec, x): gpt_model_path(spec, x.role) for x in layout}
     return render_template(
         "launch.sh.j2",
@@ -293,7 +305,10 @@ def _launch_script(spec: DeploymentSpec, node: str, models: list[str]) -> str:
         release=versions.release_of(spec),
         world_size=len(segments),
         layout=layout,
-        rank0_load=rank0_load,
+        rank0_load=rank0,
+        private_grpc=PRIVATE_PORTS["grpc"] if is_front else None,
+        front=front,
+        front_models=_front_models(spec, models) if is_front else [],
         connection=_connection(spec, node),
         env=_environment_vars(spec),
         repository=spec.model_repository.name,

@@ -1,0 +1,69 @@
+"""The supervisor against a stand-in tritonserver (first on PATH, run by TritonServer as a real one would
+be): a crash that deadlocks in the signal handler, still answering liveness, is killed and restarted."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+from disagg.serve.server import TritonServer
+from disagg.serve.supervisor import CRASH_EXIT_S, Supervised
+
+# Answers every GET with 200 (live, ready) on --http-port. The first run prints what tritonserver prints
+# when malloc finds its heap corrupted, then keeps serving as the deadlocked server did; later runs do not.
+STAND_IN = '''#!{python}
+import http.server, sys, threading, time
+from pathlib import Path
+port = int(next(a.split("=")[1] for a in sys.argv if a.startswith("--http-port=")))
+class Live(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Live)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+marker = Path("{marker}")
+print("I1201 started", flush=True)
+if not marker.exists():
+    marker.touch()
+    time.sleep(0.5)
+    print("malloc(): unaligned tcache chunk detected", flush=True)
+    print("Signal (6) received.", flush=True)
+time.sleep(120)
+'''
+
+
+def test_a_crash_that_deadlocks_is_killed_and_restarted(tmp_path, monkeypatch, capfd):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "tritonserver"
+    stand_in.write_text(STAND_IN.format(python=sys.executable, marker=tmp_path / "crashed-once"))
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    repo = tmp_path / "model_repository"
+    repo.mkdir()
+    signalled: list[int] = []
+    sup = Supervised("tritonserver of decode", lambda: TritonServer(repo, label="decode", sweeps_deployment=False), signalled)
+    sup.server.start().wait_ready(30)
+    first = sup.server
+    runner = threading.Thread(target=sup.run, args=(30,), daemon=True)
+    started = time.monotonic()
+    runner.start()
+    try:
+        while not (sup.server is not first and sup.server.is_live()) and time.monotonic() - started < 15:
+            time.sleep(0.1)
+        assert CRASH_EXIT_S < time.monotonic() - started < CRASH_EXIT_S + 5
+        assert sup.restarts == 1 and first.process.returncode == -9  # killed: it would never have exited
+        time.sleep(0.5)  # the supervisor sees it ready too
+    finally:
+        signalled.append(15)
+        sup.server.stop()
+        runner.join(15)
+    out = capfd.readouterr().out
+    assert "[decode] malloc(): unaligned tcache chunk detected\n[decode] Signal (6) received.\n" in out
+    assert re.search(r"^disagg-serve: tritonserver of decode printed 'Signal \(6\) received\.' and is still running [23] s later; killing it$", out, re.M)
+    assert "disagg-serve: tritonserver of decode exited with code -9; starting it again in 0 s (server restart 1)" in out
+    assert not runner.is_alive()
