@@ -1,8 +1,8 @@
-"""`python -m loadtest report|compare|crossover|soak ...`"""
+"""`python -m loadtest report|compare|crossover|plan|soak ...`"""
 import importlib
 import sys
 
-COMMANDS = ("report", "compare", "crossover", "soak")
+COMMANDS = ("report", "compare", "crossover", "plan", "soak")
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """`python -m loadtest crossover`: where disaggregation starts to pay, by prompt length and request rate.
 
-    python -m loadtest crossover                                  # cpu-bench, prompts of 256/1024/2048 tokens
-    python -m loadtest crossover --prompt-tokens 512,2048 --rates 0.25,0.5,1 --seconds 60
+    python -m loadtest crossover                                  # cpu-bench, prompts of 256/1024/1920 tokens
+    python -m loadtest crossover --prompt-tokens 512,1920 --rates 0.25,0.5,1 --seconds 60
 
 For each prompt length (prompts drawn from [0.9 x length, length] tokens) and each rate, the aggregated
 deployment (chunked prefill: configs/cpu-bench.yaml) and the disaggregated one run in turn on the same
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=Path("configs/cpu-bench.yaml"))
     p.add_argument("--workload", default="prefill-heavy", help="workload YAML or name in loadtest/workloads/")
-    p.add_argument("--prompt-tokens", default="256,1024,2048", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--prompt-tokens", default="256,1024,1920", help="comma-separated prompt lengths (tokens)")
     p.add_argument("--rates", help="comma-separated request rates (default: the workload's sweep_rates)")
     p.add_argument("--seconds", type=float, help="each load point's duration (default: the workload's)")
     p.add_argument("--out", type=Path, help="output directory (default: results/crossover-<timestamp>)")

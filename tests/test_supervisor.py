@@ -7,7 +7,6 @@ import re
 import sys
 import threading
 import time
-from pathlib import Path
 
 from disagg.serve.server import TritonServer
 from disagg.serve.supervisor import CRASH_EXIT_S, Supervised
@@ -16,7 +15,6 @@ from disagg.serve.supervisor import CRASH_EXIT_S, Supervised
 # when malloc finds its heap corrupted, then keeps serving as the deadlocked server did; later runs do not.
 STAND_IN = '''#!{python}
 import http.server, sys, threading, time
-from pathlib import Path
 port = int(next(a.split("=")[1] for a in sys.argv if a.startswith("--http-port=")))
 class Live(http.server.BaseHTTPRequestHandler):
     def do_GET(self):

@@ -1,0 +1,113 @@
+"""The split that serves the most requests per second per instance within the SLOs (DistServe's goodput).
+
+For a budget of engine instances, every prefill:decode split (and each decode batch limit up to the
+engine's) and the all-aggregated deployment are simulated under the traffic; the goodput of each is the
+highest Poisson rate at which at least `target` of the requests meet both SLOs, found by bisection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from disagg.planner.profile import StepModel
+from disagg.planner.simulate import Deployment, EngineLimits, SimRequest, poisson_requests, simulate
+
+ATTAINMENT_TARGET = 0.9
+SIMULATED_REQUESTS = 300
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Prompt and output lengths as weighted uniform bins ((weight, min, max), ...), the expected rate and
+    the SLOs."""
+
+    prompt_bins: tuple[tuple[float, int, int], ...]
+    output_bins: tuple[tuple[float, int, int], ...]
+    rate: float
+    ttft_slo_s: float
+    tpot_slo_s: float
+
+    def requests(self, rate: float, count: int = SIMULATED_REQUESTS, seed: int = 0) -> list[SimRequest]:
+        return poisson_requests(rate, count, _sampler(self.prompt_bins), _sampler(self.output_bins), seed)
+
+    def met(self, r: SimRequest) -> bool:
+        return r.ttft <= self.ttft_slo_s and (r.tpot is None or r.tpot <= self.tpot_slo_s)
+
+
+def _sampler(bins: tuple[tuple[float, int, int], ...]) -> Callable[[np.random.Generator], int]:
+    weights = np.array([b[0] for b in bins]) / sum(b[0] for b in bins)
+
+    def draw(rng: np.random.Generator) -> int:
+        _, lo, hi = bins[rng.choice(len(bins), p=weights)]
+        return int(rng.integers(lo, hi + 1))
+
+    return draw
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_p50_s: float
+    ttft_p95_s: float
+    itl_p95_s: float
+    attainment: float
+
+
+def predict(requests: list[SimRequest], traffic: Traffic) -> Prediction:
+    ttft = [r.ttft for r in requests]
+    itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])] or [0.0]
+    return Prediction(float(np.percentile(ttft, 50)), float(np.percentile(ttft, 95)), float(np.percentile(itl, 95)),
+                      sum(traffic.met(r) for r in requests) / len(requests))
+
+
+@dataclass(frozen=True)
+class Option:
+    deployment: Deployment
+    decode_batch: int | None  # the decode batch limit simulated (None: aggregated)
+    goodput: float  # requests/s
+    at_rate: Prediction  # at the traffic's own rate
+
+    @property
+    def per_instance(self) -> float:
+        return self.goodput / self.deployment.instances
+
+
+class Planner:
+    def __init__(self, steps: dict[str, StepModel], limits: dict[str, EngineLimits], handoff_s: Callable[[int], float]):
+        self.steps, self.limits, self.handoff_s = steps, limits, handoff_s
+
+    def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None) -> list[SimRequest]:
+        limits = self.limits
+        if decode_batch is not None:
+            limits = {**limits, "decode": replace(limits["decode"], max_batch_size=decode_batch)}
+        return simulate(deployment, self.steps, limits, traffic.requests(rate), self.handoff_s)
+
+    def goodput(self, deployment: Deployment, traffic: Traffic, decode_batch: int | None = None) -> float:
+        def meets(rate: float) -> bool:
+            return predict(self.run(deployment, traffic, rate, decode_batch), traffic).attainment >= ATTAINMENT_TARGET
+
+        lo, hi = 0.0, max(traffic.rate, 0.05)
+        while meets(hi) and hi < 1e4:
+            lo, hi = hi, hi * 2
+        for _ in range(10):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+        return lo
+
+    def options(self, instances: int, traffic: Traffic) -> list[Option]:
+        """Every split of `instances` (with each decode batch limit) and all-aggregated, best first."""
+        top = self.limits["decode"].max_batch_size
+        batches = sorted({b for b in (8, 16, 32, 64, 128, top) if b <= top})
+        found = []
+        for prefill in range(1, instances):
+            d = Deployment(prefill=prefill, decode=instances - prefill)
+            for batch in batches:
+                found.append(Option(d, batch, self.goodput(d, traffic, batch),
+                                    predict(self.run(d, traffic, traffic.rate, batch), traffic)))
+        if "aggregated" in self.steps:
+            d = Deployment(aggregated=instances)
+            found.append(Option(d, None, self.goodput(d, traffic), predict(self.run(d, traffic, traffic.rate), traffic)))
+        # Most goodput first; among equals (within 2%) the smaller decode batch, whose steps are shorter.
+        best = max(o.goodput for o in found) or 1.0
+        return sorted(found, key=lambda o: (-round(o.goodput / best * 50), o.decode_batch or 0))

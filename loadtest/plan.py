@@ -1,0 +1,154 @@
+"""`python -m loadtest plan`: how many prefill and decode instances for a workload (disagg.planner).
+
+    python -m loadtest plan                                   # cpu-bench, workload prefill-heavy, 2 instances
+    python -m loadtest plan --instances 8 --rate 3
+    python -m loadtest plan --check results/crossover-*/crossover.json    # predictions vs measured runs
+
+1. Builds `--config` and profiles each role's engine on this machine (timed steps, one BLAS thread, as
+   the load tests serve; disagg.planner.profile), cached in <build_dir>/planner-profile.json per engine.
+2. Simulates every prefill:decode split of `--instances` (and decode batch limits up to the engine's)
+   and the all-aggregated deployment under the workload (disagg.planner.simulate); prints each one's
+   goodput (highest rate with >= 90% of requests within both SLOs) per instance and its predicted p50
+   TTFT, p95 ITL and attainment at the workload's rate, then the recommendation.
+3. `--check`: for each load point of `python -m loadtest crossover` runs, the same traffic simulated on
+   the deployments that ran it, printed beside the measured figures with the relative error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from disagg.cli import build
+from disagg.engine.config import EngineConfig
+from disagg.planner.plan import Planner, Traffic, predict
+from disagg.planner.profile import StepModel, profile_engine
+from disagg.planner.simulate import Deployment, EngineLimits
+from disagg.spec import DeploymentSpec
+from loadtest.compare import THREAD_ENV, compare_spec
+from loadtest.workload import Workload, load_workload
+
+
+def traffic_of(workload: Workload, rate: float | None = None, prompt_tokens: int | None = None) -> Traffic:
+    prompt = ((1.0, int(prompt_tokens * 0.9), prompt_tokens),) if prompt_tokens else tuple(
+        (b.weight, b.min, b.max) for b in workload.prompt_tokens)
+    return Traffic(prompt, tuple((b.weight, b.min, b.max) for b in workload.output_tokens), rate or workload.rate or 1.0,
+                   workload.ttft_slo_ms / 1e3, workload.tpot_slo_ms / 1e3)
+
+
+def profiles(spec: DeploymentSpec) -> dict[str, StepModel]:
+    """Each role's StepModel, profiled once per built engine (keyed by its config.json's mtime)."""
+    cache_path = spec.build_dir / "planner-profile.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    out = {}
+    for role in spec.roles:
+        engine = spec.engine_dir(role)
+        key = f"{engine.resolve()}@{(engine / 'config.json').stat().st_mtime_ns}"
+        if key not in cache:
+            print(f"plan: profiling the {role} engine ({engine})", flush=True)
+            cache[key] = asdict(profile_engine(engine))
+        out[role] = StepModel(**cache[key])
+    cache_path.write_text(json.dumps(cache, indent=2))
+    return out
+
+
+def limits_of(spec: DeploymentSpec) -> dict[str, EngineLimits]:
+    return {name: EngineLimits(r.max_batch_size, r.max_num_tokens, r.enable_chunked_context, r.tokens_per_block)
+            for name, r in spec.roles.items()}
+
+
+def handoff(spec: DeploymentSpec):
+    """Seconds to move a prompt's KV from prefill to decode: its bytes at this machine's memcpy speed."""
+    model = EngineConfig.load(spec.engine_dir("decode")).model
+    per_token = model.num_hidden_layers * 2 * model.num_key_value_heads * model.head_dim * 4
+    a = np.ones(1 << 26, dtype=np.float32)
+    b = np.empty_like(a)
+    t = time.perf_counter()
+    np.copyto(b, a)
+    bandwidth = a.nbytes / (time.perf_counter() - t)
+    return lambda tokens: tokens * per_token / bandwidth
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.0f}"
+
+
+def print_plan(planner: Planner, instances: int, traffic: Traffic) -> None:
+    options = planner.options(instances, traffic)
+    print(f"{'deployment':<24} {'decode batch':>12} | {'goodput req/s':>13} {'per instance':>12} | "
+          f"at {traffic.rate:g} req/s: {'p50 TTFT ms':>11} {'p95 ITL ms':>10} {'attainment':>10}")
+    for o in options:
+        p = o.at_rate
+        print(f"{str(o.deployment):<24} {o.decode_batch or '-':>12} | {o.goodput:>13.2f} {o.per_instance:>12.3f} | "
+              f"{'':>{len(f'at {traffic.rate:g} req/s: ')}}{_ms(p.ttft_p50_s):>11} {_ms(p.itl_p95_s):>10} {p.attainment:>10.0%}")
+    best = options[0]
+    agg = next((o for o in options if o.deployment.aggregated), None)
+    print(f"plan: recommended {best.deployment}" + (f", decode max_batch_size {best.decode_batch}" if best.decode_batch else ""),
+          flush=True)
+    if agg is not None and best is not agg:
+        ratio = best.goodput / agg.goodput if agg.goodput else float("inf")
+        print(f"plan: aggregated x{instances} would serve {agg.goodput:.2f} req/s: the split gives {ratio:.2f}x its goodput"
+              + (" (aggregated would do as well)" if ratio < 1.05 else ""))
+    elif agg is not None:
+        print("plan: aggregated serving does at least as well as any split for this workload")
+
+
+def check(planner: Planner, workload: Workload, results: list[Path]) -> None:
+    """Predicted vs measured for every crossover load point, and the median relative errors."""
+    errors: dict[str, list[float]] = {"p50 TTFT": [], "p95 ITL": []}
+    print(f"{'prompt':>6} {'req/s':>5} {'deployment':<24} | {'p50 TTFT ms pred | meas | err':^29} | "
+          f"{'p95 ITL ms pred | meas | err':^28} | attainment pred | meas")
+    for path in results:
+        raw = json.loads(path.read_text())
+        for point in raw["points"]:
+            traffic = traffic_of(workload, point["rate"], point["prompt_tokens"])
+            for name in ("aggregated", "disaggregated"):
+                measured = point[name]
+                deployment = Deployment(aggregated=2) if name == "aggregated" else Deployment(prefill=1, decode=1)
+                p = predict(planner.run(deployment, traffic, traffic.rate), traffic)
+                row = []
+                for label, pred, meas in (("p50 TTFT", p.ttft_p50_s, measured["ttft_ms"]["p50"]),
+                                          ("p95 ITL", p.itl_p95_s, measured["itl_ms"]["p95"])):
+                    err = (pred * 1e3 - meas) / meas if meas else None
+                    if err is not None:
+                        errors[label].append(abs(err))
+                    row.append(f"{_ms(pred):>8} | {meas or 0:>6.0f} | {'-' if err is None else f'{err:+.0%}':>6}")
+                print(f"{point['prompt_tokens']:>6} {point['rate']:>5g} {str(deployment):<24} | {row[0]:>29} | {row[1]:>28} | "
+                      f"{p.attainment:>10.0%} | {measured['slo_attainment']:.0%}")
+    for label, errs in errors.items():
+        if errs:
+            print(f"plan: {label} prediction error: median {np.median(errs):.0%}, worst {max(errs):.0%} over {len(errs)} runs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=Path("configs/cpu-bench.yaml"))
+    p.add_argument("--workload", default="prefill-heavy", help="workload YAML or name in loadtest/workloads/")
+    p.add_argument("--instances", type=int, help="engine instances to split (default: the spec's prefill + decode)")
+    p.add_argument("--rate", type=float, help="expected requests/s (default: the workload's)")
+    p.add_argument("--check", type=Path, nargs="*", default=[], help="crossover.json files to compare predictions with")
+    p.add_argument("--out", type=Path, default=Path("results/plan"), help="where the equal-budget spec is written")
+    a = p.parse_args(argv)
+    os.environ.update(THREAD_ENV)
+    workload = load_workload(a.workload)
+    a.out.mkdir(parents=True, exist_ok=True)
+    spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
+    build(spec, log=lambda line: print(f"build: {line}", flush=True))
+    planner = Planner(profiles(spec), limits_of(spec), handoff(spec))
+    for role, model in planner.steps.items():
+        print(f"plan: {role} step = {model.base_s * 1e3:.2f} ms + {model.per_token_s * 1e6:.1f} us/token + "
+              f"{model.per_attended_s * 1e9:.2f} ns/attended token (fit within {model.fit_error:.0%})")
+    instances = a.instances or spec.roles["prefill"].instances + spec.roles["decode"].instances
+    traffic = traffic_of(workload, a.rate)
+    print(f"plan: workload {workload.name} at {traffic.rate:g} req/s, SLO TTFT <= {workload.ttft_slo_ms:g} ms, "
+          f"TPOT <= {workload.tpot_slo_ms:g} ms; {instances} engine instances", flush=True)
+    print_plan(planner, instances, traffic)
+    if a.check:
+        check(planner, workload, a.check)
+    return 0
+
