@@ -52,7 +52,7 @@ def profiles(spec: DeploymentSpec) -> dict[str, StepModel]:
         if key not in cache:
             print(f"plan: profiling the {role} engine ({engine})", flush=True)
             cache[key] = asdict(profile_engine(engine))
-        out[role] = StepModel(**cache[key])
+        out[role] = StepModel.from_dict(cache[key])
     cache_path.write_text(json.dumps(cache, indent=2))
     return out
 
@@ -141,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     build(spec, log=lambda line: print(f"build: {line}", flush=True))
     planner = Planner(profiles(spec), limits_of(spec), handoff(spec))
     for role, model in planner.steps.items():
-        print(f"plan: {role} step = {model.base_s * 1e3:.2f} ms + {model.per_token_s * 1e6:.1f} us/token + "
-              f"{model.per_attended_s * 1e9:.2f} ns/attended token (fit within {model.fit_error:.0%})")
+        d, q = model.decode, model.prompt
+        print(f"plan: {role} steps: decode {d.base_s * 1e3:.2f} ms + {d.per_token_s * 1e6:.0f} us/sequence + "
+              f"{d.per_attended_s * 1e9:.2f} ns/attended token; with prompt tokens {q.base_s * 1e3:.2f} ms + "
+              f"{q.per_token_s * 1e6:.0f} us/token + {q.per_attended_s * 1e9:.2f} ns/attended token (fit within {model.fit_error:.0%})")
     instances = a.instances or spec.roles["prefill"].instances + spec.roles["decode"].instances
     traffic = traffic_of(workload, a.rate)
     print(f"plan: workload {workload.name} at {traffic.rate:g} req/s, SLO TTFT <= {workload.ttft_slo_ms:g} ms, "

@@ -4,22 +4,24 @@ from __future__ import annotations
 import pytest
 
 from disagg.planner.plan import Planner, Traffic, predict
-from disagg.planner.profile import StepModel, fit, profile_engine
+from disagg.planner.profile import Linear, StepModel, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, SimRequest, simulate
 
 MS = 1e-3
-FLAT = StepModel(base_s=1 * MS, per_token_s=0.0, per_attended_s=0.0, fit_error=0.0)  # every step 1 ms
+FLAT = StepModel(Linear(1 * MS, 0.0, 0.0), Linear(1 * MS, 0.0, 0.0), 0.0)  # every step 1 ms
 
 
 def test_fit_recovers_the_step_model_it_was_sampled_from():
-    truth = StepModel(2 * MS, 30e-6, 4e-9, 0.0)
-    samples = [(n, n * (n + 1) / 2, truth.prefill_s(n)) for n in (16, 256, 1024)]
-    samples += [(b, b * c, truth.decode_s(b, c)) for b in (1, 8, 32) for c in (100, 1000)]
-    got = fit(samples)
-    assert got.base_s == pytest.approx(truth.base_s, rel=1e-6)
-    assert got.per_token_s == pytest.approx(truth.per_token_s, rel=1e-6)
-    assert got.per_attended_s == pytest.approx(truth.per_attended_s, rel=1e-6)
+    truth = StepModel(decode=Linear(4 * MS, 1e-6, 60e-9), prompt=Linear(2 * MS, 170e-6, 0.8e-9), fit_error=0.0)
+    prompt = [(n, n * (n + 1) / 2, truth.prefill_s(n)) for n in (16, 256, 1024)]
+    prompt += [(64, 64 * (o + 32.5), truth.step_s(64, 64 * (o + 32.5), True)) for o in (0, 512, 1536)]
+    decode = [(b, b * c, truth.decode_s(b, c)) for b in (1, 8, 32) for c in (100, 1000)]
+    got = fit(decode, prompt)
+    for part in ("decode", "prompt"):
+        for coef in ("base_s", "per_token_s", "per_attended_s"):
+            assert getattr(getattr(got, part), coef) == pytest.approx(getattr(getattr(truth, part), coef), rel=1e-6)
     assert got.fit_error < 1e-9
+    assert StepModel.from_dict({"decode": vars(truth.decode), "prompt": vars(truth.prompt), "fit_error": 0.0}) == truth
 
 
 def test_aggregated_chunks_a_prompt_over_steps_and_decodes_one_token_per_step():
@@ -45,7 +47,7 @@ def test_disaggregated_hands_off_after_the_context_phase():
         "prefill": EngineLimits(2, 512, False, 16),
         "decode": EngineLimits(8, 8, True, 16),
     }
-    steps = {"prefill": StepModel(0.0, 0.1 * MS, 0.0, 0.0), "decode": FLAT}
+    steps = {"prefill": StepModel(Linear(0.0, 0.0, 0.0), Linear(0.0, 0.1 * MS, 0.0), 0.0), "decode": FLAT}
     req = SimRequest(0.0, 200, 4)
     simulate(Deployment(prefill=1, decode=1), steps, limits, [req], lambda n: n * 0.01 * MS)
     # prefill 200 x 0.1 ms = 20 ms (first token), handoff 2 ms, then a token per 1 ms decode step
@@ -61,7 +63,7 @@ def test_a_prompt_over_the_budget_waits_without_chunked_context():
 
 
 def _planner() -> Planner:
-    model = StepModel(5 * MS, 0.5 * MS, 1e-7, 0.0)  # long prompts cost tens of decode steps
+    model = StepModel(Linear(5 * MS, 0.05 * MS, 0.0), Linear(5 * MS, 0.5 * MS, 1e-7), 0.0)  # a long prompt: tens of decode steps
     limits = {"prefill": EngineLimits(2, 2048, False, 32), "decode": EngineLimits(32, 64, True, 32),
               "aggregated": EngineLimits(32, 256, True, 32)}
     return Planner({"prefill": model, "decode": model, "aggregated": model}, limits, lambda n: 0.0)
@@ -82,6 +84,6 @@ def test_goodput_grows_with_instances_and_options_come_best_first():
 
 
 def test_profile_of_the_tiny_engine_fits_its_steps(cpu_tiny_project):
-    model = profile_engine(cpu_tiny_project / "build" / "engines" / "aggregated", repeats=1, progress=False)
+    model = profile_engine(cpu_tiny_project / "build" / "engines" / "aggregated", progress=False)
     # Sub-millisecond steps on a shared 2-core machine are noisy: only what no noise can turn around.
-    assert model.per_token_s > 0 and model.prefill_s(256) > 4 * model.decode_s(1, 16)
+    assert model.prefill_s(256) > 4 * model.decode_s(1, 16)

@@ -1,12 +1,12 @@
-"""Step times of a role's engine, measured on the engine itself and fitted to one linear model.
+"""Step times of a role's engine, measured on the engine itself and fitted to a two-regime linear model.
 
-An engine step's time is modelled as T = base + per_token * N + per_attended * A, where N is the number of
-new tokens the step computes (a prompt or chunk's tokens, one per generating sequence) and A the
-attention work, the sum over those tokens of the context each attends to. A prefill of n tokens has
-N = n, A = n(n+1)/2; a decode step of b sequences at context c has N = b, A = b*c. Weight reads and
-matmuls scale with N, attention with A, and `base` is the per-step cost that neither removes. Timed in
-this process with the engine's own code (one BLAS thread, as `loadtest compare` serves), the fit's worst
-relative error over the timed steps is kept beside it.
+A step that computes only generating sequences' tokens reads every weight once whatever the batch, so it
+costs `decode`: base + per_token * N + per_attended * A, with N the sequences and A the attention work (the
+sum of their contexts). A step with prompt tokens (a prefill, or a chunk beside the decodes) is bound by
+the matmuls over its N new tokens: `prompt`, the same three terms fitted on such steps, where a prompt or
+chunk of n tokens after o cached ones attends to n * (o + (n + 1) / 2). Timed in this process with the
+engine's own code (one BLAS thread, as `loadtest compare` serves); the fit's worst relative error over the
+timed steps is kept beside it.
 """
 from __future__ import annotations
 
@@ -19,70 +19,99 @@ from tqdm import tqdm
 
 from disagg.engine.engine import LLMEngine, Request
 
+Sample = tuple[int, float, float]  # (new tokens, attended, seconds) of one timed step
+
 
 @dataclass(frozen=True)
-class StepModel:
+class Linear:
     base_s: float
     per_token_s: float
     per_attended_s: float
-    fit_error: float  # the largest |predicted - measured| / measured over the timed steps
 
-    def step_s(self, new_tokens: int, attended: float) -> float:
+    def __call__(self, new_tokens: int, attended: float) -> float:
         return self.base_s + self.per_token_s * new_tokens + self.per_attended_s * attended
 
+
+@dataclass(frozen=True)
+class StepModel:
+    decode: Linear
+    prompt: Linear
+    fit_error: float  # the largest |predicted - measured| / measured over the timed steps
+
+    def step_s(self, new_tokens: int, attended: float, prompt_tokens: bool) -> float:
+        return (self.prompt if prompt_tokens else self.decode)(new_tokens, attended)
+
     def prefill_s(self, n: int) -> float:
-        return self.step_s(n, n * (n + 1) / 2)
+        return self.prompt(n, n * (n + 1) / 2)
 
     def decode_s(self, batch: int, context: float) -> float:
-        return self.step_s(batch, batch * context)
+        return self.decode(batch, batch * context)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> StepModel:
+        return cls(Linear(**raw["decode"]), Linear(**raw["prompt"]), raw["fit_error"])
 
 
-def fit(samples: list[tuple[int, float, float]]) -> StepModel:
-    """(N, A, seconds) per timed step -> the least-squares StepModel (relative error weighted)."""
+def fit_linear(samples: list[Sample]) -> tuple[Linear, float]:
+    """The least-squares Linear (relative errors: a 5 ms step counts as much as a 2 s one), its worst error."""
     x = np.array([[1.0, n, a] for n, a, _ in samples])
     y = np.array([s for _, _, s in samples])
-    w = 1.0 / y  # relative errors: a 5 ms decode step counts as much as a 2 s prefill
-    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
     coef = np.maximum(coef, 0.0)
-    error = float(np.max(np.abs(x @ coef - y) / y))
-    return StepModel(float(coef[0]), float(coef[1]), float(coef[2]), error)
+    return Linear(*map(float, coef)), float(np.max(np.abs(x @ coef - y) / y))
 
 
-def profile_engine(engine_dir: Path, repeats: int = 2, progress: bool = True) -> StepModel:
-    """Times whole-prompt prefills at lengths up to the engine's max input length (within one step's
-    token budget) and decode steps at batch sizes up to its max batch, then fits the StepModel."""
+def fit(decode: list[Sample], prompt: list[Sample]) -> StepModel:
+    d, d_err = fit_linear(decode)
+    p, p_err = fit_linear(prompt)
+    return StepModel(d, p, max(d_err, p_err))
+
+
+def _steps(engine: LLMEngine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
+    """Times prompts (whole, or chunk by chunk where the engine chunks them) at lengths up to the engine's
+    max input length, and decode steps at batch sizes up to its max batch and two context lengths."""
     engine = LLMEngine(engine_dir)
     b = engine.config.build
     vocab = engine.config.model.vocab_size
     rng = np.random.default_rng(0)
-    top = min(b.max_input_len, b.max_num_tokens)
-    lengths = sorted({max(8, int(top * f)) for f in (0.05, 0.25, 0.5, 0.75, 1.0)})
+    longest = min(b.max_input_len, b.max_seq_len - 8)
+    lengths = sorted({max(8, int(longest * f)) for f in (0.05, 0.25, 0.5, 1.0)})
+    lengths = [n for n in lengths if n <= b.max_num_tokens or b.enable_chunked_context]
     batches = sorted({n for n in (1, 4, 16, b.max_batch_size) if n <= b.max_batch_size})
-    contexts = sorted({max(16, int(min(b.max_input_len, b.max_seq_len - 40) * f)) for f in (0.1, 0.9)})
+    contexts = sorted({max(16, int((b.max_seq_len - 8) * f)) for f in (0.1, 0.8)})
 
     def prompt(n: int) -> tuple[int, ...]:
         return tuple(int(t) for t in rng.integers(2, vocab, n))
 
     engine.generate([Request("warm", prompt(lengths[0]), 2)])
-    samples: list[tuple[int, float, float]] = []
-    work = [("prefill", n) for n in lengths for _ in range(repeats)] + [("decode", (bs, c)) for bs in batches for c in contexts]
+    decode: list[Sample] = []
+    prompted: list[Sample] = []
+    work = [("prompt", n) for n in lengths] + [("decode", (bs, c)) for bs in batches for c in contexts if bs * c <= b.kv_cache_blocks * b.tokens_per_block]
     for i, (kind, arg) in enumerate(tqdm(work, desc=f"profile {engine_dir.name}", disable=not progress, leave=False)):
-        if kind == "prefill":
+        if kind == "prompt":
             engine.add_request(Request(f"p{i}", prompt(arg), 1))
-            t = time.perf_counter()
-            while engine.has_work():
+            cached = 0
+            while cached < arg:  # a chunk per step: the rest, or the budget rounded down to whole blocks
+                size = min(arg - cached, b.max_num_tokens // b.tokens_per_block * b.tokens_per_block)
+                t = time.perf_counter()
                 engine.step()
-            samples.append((arg, arg * (arg + 1) / 2, time.perf_counter() - t))
+                prompted.append((size, size * (cached + (size + 1) / 2), time.perf_counter() - t))
+                cached += size
+            _steps(engine)
             continue
         batch, context = arg
         for j in range(batch):
             engine.add_request(Request(f"d{i}-{j}", prompt(context), 6))
-        while any(s.num_generated == 0 for s in engine.running.values()) or engine.waiting:
-            engine.step()  # the prefills, timed above
+        while engine.waiting or any(s.num_generated == 0 for s in engine.running.values()):
+            engine.step()  # their prompts
         for _ in range(4):
             t = time.perf_counter()
             engine.step()
-            samples.append((batch, batch * (context + 2), time.perf_counter() - t))
-        while engine.has_work():
-            engine.step()
-    return fit(samples)
+            decode.append((batch, batch * (context + 2), time.perf_counter() - t))
+        _steps(engine)
+    return fit(decode, prompted)

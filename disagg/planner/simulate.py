@@ -102,7 +102,7 @@ class SimEngine:
         attended += sum(size * (seq.cached + (size + 1) / 2) for seq, size in self._chunks)
         self._decoding = decoding
         self.busy = True
-        return self.steps.step_s(new, attended)
+        return self.steps.step_s(new, attended, prompt_tokens=bool(self._chunks))
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """Applies the planned step at `now`; returns the requests whose context phase ended here (to hand
