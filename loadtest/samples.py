@@ -1,7 +1,7 @@
 """One raw sample per request, as the Locust user measured it, and the metrics derived from it.
 
 Everything is kept raw (perf_counter stamps of every streamed response) so a report can recompute any
-metric exactly; the derived values follow design.md section 7:
+metric exactly; the derived values (as docs/loadtest.md defines them):
     TTFT  send -> first response with non-empty text (an empty chunk, e.g. half a UTF-8 character,
           is not a token arrival)
     ITL   every gap between consecutive non-empty chunks, per chunk (N_out - 1 gaps per request)
