@@ -282,8 +282,6 @@ def _check_role(role: RoleSpec, backend: str) -> None:
         )
     if backend == "tensorrt_llm" and not role.devices:
         raise SpecError(f"{at}.devices", "required with backend tensorrt_llm (one list of GPU ids per instance)")
-    if backend == "reference" and role.enable_kv_cache_reuse:
-        raise SpecError(f"{at}.enable_kv_cache_reuse", "the reference engine has no prefix cache (backend tensorrt_llm has)")
     if role.devices:
         if len(role.devices) != role.instances:
             raise SpecError(f"{at}.devices", f"{len(role.devices)} device lists for instances={role.instances}")

@@ -21,7 +21,8 @@ class EngineFactory:
         self.weights = load_hf_weights(self.checkpoint)
 
     def engine_dir(self, tp: int = 1, pp: int = 1, limits: BuildConfig = LIMITS, role: str = "aggregated") -> Path:
-        path = self.root / f"{role}-tp{tp}-pp{pp}-{limits.kv_cache_blocks}b{limits.max_batch_size}"
+        flags = "".join(f"-{name}" for name, on in (("chunked", limits.enable_chunked_context), ("reuse", limits.enable_kv_cache_reuse)) if on)
+        path = self.root / f"{role}-tp{tp}-pp{pp}-{limits.kv_cache_blocks}b{limits.max_batch_size}-{limits.max_num_tokens}t{flags}"
         if not (path / "config.json").is_file():
             write_engine(path, EngineConfig(role, self.config, Mapping(tp, pp), limits), self.weights)
         return path

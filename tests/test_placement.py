@@ -212,7 +212,6 @@ def test_reference_backend_plan(tmp_path):
         raw["model"]["dtype"] = "float32"
         for role in raw["roles"].values():
             role.pop("devices")
-            role.pop("enable_kv_cache_reuse", None)
 
     spec = example_spec("h200x8-intra-node", model_dir(tmp_path), reference)
     table = format_plan(make_plan(spec, None))

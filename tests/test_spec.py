@@ -58,7 +58,6 @@ def test_default_spec_is_valid():
         ("roles.prefill.max_num_tokens", 100, "roles.prefill.max_num_tokens", "100 is below max_input_len=256"),
         ("roles.decode.max_input_len", 128, "roles.decode.max_input_len", "below roles.prefill.max_input_len=256"),
         ("roles.decode.devices", [[0], [1]], "roles.decode.devices", "2 device lists for instances=1"),
-        ("roles.prefill.enable_kv_cache_reuse", True, "roles.prefill.enable_kv_cache_reuse", "the reference engine has no prefix cache"),
     ],
 )
 def test_bad_spec_names_key_and_reason(tmp_path, path, value, key, reason):

@@ -15,6 +15,7 @@ from disagg.serve.supervisor import CRASH_EXIT_S, Supervised
 # when malloc finds its heap corrupted, then keeps serving as the deadlocked server did; later runs do not.
 STAND_IN = '''#!{python}
 import http.server, sys, threading, time
+from pathlib import Path
 port = int(next(a.split("=")[1] for a in sys.argv if a.startswith("--http-port=")))
 class Live(http.server.BaseHTTPRequestHandler):
     def do_GET(self):

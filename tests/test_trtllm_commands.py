@@ -105,7 +105,6 @@ def test_unknown_role_and_reference_backend_are_rejected(tmp_path):
         raw.update(backend="reference")
         del raw["trtllm_release"]
         raw["model"]["dtype"] = "float32"
-        raw["roles"]["prefill"]["enable_kv_cache_reuse"] = False  # the reference engine has no prefix cache
 
     with pytest.raises(SpecError, match=r"^backend: 'reference': TensorRT-LLM engines are built only"):
         build.dry_run_lines(example_spec("h200x8-intra-node", model_dir(tmp_path), reference), ["prefill"])

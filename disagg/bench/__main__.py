@@ -1,4 +1,4 @@
-"""python -m disagg.bench {engine,serving,front,clients} [options]"""
+"""python -m disagg.bench {engine,serving,front,prefix,clients} [options]"""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +7,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m disagg.bench", description=__doc__)
-    parser.add_argument("which", choices=["engine", "serving", "front", "clients"], help="engine: prefill/decode throughput vs roofline; "
+    parser.add_argument("which", choices=["engine", "serving", "front", "prefix", "clients"], help="engine: prefill/decode throughput vs roofline; "
                         "serving: orchestration overhead and KV handoff bandwidth; front: the front's cost and ceiling with engine "
-                        "compute skipped; clients: genai-perf and AIPerf on both ensembles")
+                        "compute skipped; prefix: TTFT with prefix reuse vs without; clients: genai-perf and AIPerf on both ensembles")
     args, rest = parser.parse_known_args(argv)
     if args.which == "engine":
         from disagg.bench.engine import main as run
@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
         from disagg.bench.serving import main as run
     elif args.which == "front":
         from disagg.bench.front import main as run
+    elif args.which == "prefix":
+        from disagg.bench.prefix import main as run
     else:
         from disagg.bench.clients import main as run
     return run(rest)

@@ -44,15 +44,16 @@ class ModelBench:
     decode: dict[int, tuple[float, float]]  # batch -> (tokens/s, roofline tokens/s)
 
 
-def build_engine(root: Path, preset: str, max_batch: int, prompt_len: int, decode_steps: int) -> Path:
+def build_engine(root: Path, preset: str, max_batch: int, prompt_len: int, decode_steps: int, reuse: bool = False) -> Path:
     ckpt = root / "checkpoints" / preset
     if not (ckpt / "config.json").is_file():
         generate_checkpoint(ckpt, preset)
     cfg = LlamaConfig.from_dir(ckpt)
     seq = prompt_len + decode_steps + 2
     tpb = 16
-    limits = BuildConfig(max_batch, prompt_len, seq, max(prompt_len, max_batch), tpb, max_batch * blocks_for(seq, tpb))
-    out = root / "bench-engines" / f"{preset}-b{max_batch}-p{prompt_len}-s{seq}"
+    limits = BuildConfig(max_batch, prompt_len, seq, max(prompt_len, max_batch), tpb, max_batch * blocks_for(seq, tpb),
+                         enable_kv_cache_reuse=reuse)
+    out = root / "bench-engines" / f"{preset}-b{max_batch}-p{prompt_len}-s{seq}{'-reuse' if reuse else ''}"
     if not (out / "config.json").is_file():
         write_engine(out, EngineConfig("aggregated", cfg, Mapping(1, 1), limits), load_hf_weights(ckpt))
     return out

@@ -52,6 +52,7 @@ def engine_config(spec: DeploymentSpec, role: RoleSpec) -> EngineConfig:
             tokens_per_block=role.tokens_per_block,
             kv_cache_blocks=role.kv_cache_blocks,
             enable_chunked_context=role.enable_chunked_context,
+            enable_kv_cache_reuse=role.enable_kv_cache_reuse,
         ),
         dtype=spec.model.dtype,
     )

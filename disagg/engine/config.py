@@ -102,6 +102,7 @@ class BuildConfig:
     tokens_per_block: int
     kv_cache_blocks: int
     enable_chunked_context: bool = False  # absent from engines built before it existed: off
+    enable_kv_cache_reuse: bool = False  # prefix caching (disagg.engine.kv_cache.BlockManager); absent: off
 
     @property
     def engine_max_input_len(self) -> int:

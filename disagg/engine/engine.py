@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from disagg.engine.config import EngineConfig
-from disagg.engine.kv_cache import BlockManager, KVShape, KVStorage, blocks_for
+from disagg.engine.kv_cache import BlockManager, KVShape, KVStorage, block_hashes, blocks_for
 from disagg.engine.kv_wire import KVLayout, SequenceKV
 from disagg.engine.llama import LlamaModel, StepInput
 from disagg.engine.no_compute import NoComputeModel
@@ -100,6 +100,7 @@ class Sequence:
     tokens: list[int]
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the cache
+    hashes: list[int] = field(default_factory=list)  # of its full blocks registered for reuse, in order
     num_generated: int = 0
     num_sent: int = field(init=False)  # tokens returned so far, counted from the prompt's start
     status: Status = Status.WAITING
@@ -145,7 +146,9 @@ class LLMEngine:
             for r in range(m.world_size)
         ]
         self.kv = KVStorage(shapes, kv_buffer(sum(s.nbytes for s in shapes)) if kv_buffer else None)
-        self.blocks = BlockManager(b.kv_cache_blocks, b.tokens_per_block)
+        self.blocks = BlockManager(b.kv_cache_blocks, b.tokens_per_block, reuse=b.enable_kv_cache_reuse)
+        self.reused_blocks = 0  # prompt blocks found cached, over all requests (kv_cache_reused_blocks)
+        self.prompt_blocks = 0  # prompt blocks looked up: reused / prompt_blocks is the hit rate
         if skip_compute:
             self.model = NoComputeModel(cfg.vocab_size)
         else:
@@ -292,20 +295,38 @@ class LLMEngine:
             seq = self.waiting[0]
             req = seq.request
             gen_only = req.request_type == "generation_only"
-            tokens = 1 if gen_only else len(req.prompt_ids)
+            # The longest cached prefix of whole blocks, never the last token: its logits are needed
+            # (TensorRT-LLM kvCacheManager.cpp BlockManager::addSequence chops inputLength - 1 tokens).
+            hashes = [] if gen_only else block_hashes(req.prompt_ids[:-1], b.tokens_per_block)
+            reuse = self.blocks.match(hashes)
+            tokens = 1 if gen_only else len(req.prompt_ids) - len(reuse) * b.tokens_per_block
             if tokens > budget and not b.enable_chunked_context:
                 break
-            if not self.blocks.can_allocate(self._reserve(req)):
+            if not self.blocks.can_allocate(self._reserve(req), reuse):
                 break
             self.waiting.popleft()
-            seq.block_table = self.blocks.allocate(req.req_id, self._reserve(req))
+            seq.block_table = self.blocks.allocate(req.req_id, self._reserve(req), reuse)
             seq.first_scheduled_ns = time.time_ns()
             budget -= tokens
             if gen_only:
                 self._import(seq)
             else:
+                seq.num_cached, seq.hashes = len(reuse) * b.tokens_per_block, hashes[: len(reuse)]
+                self.reused_blocks += len(reuse)
+                self.prompt_blocks += len(hashes)
                 seq.status = Status.CONTEXT
                 self.running[seq.req_id] = seq
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Offers the sequence's blocks that its computed KV now fills for reuse (prompt and generated
+        tokens alike, so the next turn of a conversation finds them)."""
+        if not self.blocks.reuse:
+            return
+        tpb = self.config.build.tokens_per_block
+        while (len(seq.hashes) + 1) * tpb <= seq.num_cached:
+            i = len(seq.hashes)
+            seq.hashes += block_hashes(seq.tokens[i * tpb : (i + 1) * tpb], tpb, seq.hashes[-1] if seq.hashes else None)
+            self.blocks.register(seq.block_table[i], seq.hashes[-1])
 
     def _context_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, end): the part of each prompt in the batch that this step prefills, given the `budget`
@@ -335,6 +356,7 @@ class LLMEngine:
         not returned yet (`num_sent` stays at the prompt length), so its first result returns it again."""
         ctx = seq.request.context
         seq.num_cached = ctx.kv.num_tokens
+        self._register_full_blocks(seq)
         seq.tokens.append(ctx.first_token)
         seq.num_generated = 1
         seq.status = Status.RUNNING
@@ -355,6 +377,7 @@ class LLMEngine:
         now = time.time_ns()
         for (seq, end), row in zip(work, logits):
             seq.num_cached = end
+            self._register_full_blocks(seq)
             if end == len(seq.tokens):  # a decode, or a prompt's last chunk: only these logits are sampled
                 req = seq.request
                 row = mask_end_id(row, req.end_id, seq.num_generated, req.sampling.min_tokens)

@@ -10,7 +10,7 @@ block_table[t // tokens_per_block] at offset t % tokens_per_block.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,43 +24,103 @@ def blocks_for(num_tokens: int, tokens_per_block: int) -> int:
     return -(-num_tokens // tokens_per_block)
 
 
-class BlockManager:
-    """Free-list allocator over block ids, with the can_/do pairs of nano-vllm's block manager."""
+def block_hashes(tokens: list[int] | tuple[int, ...], tokens_per_block: int, parent: int | None = None) -> list[int]:
+    """A hash chain over the full blocks of `tokens`: block i's hash covers every token up to its end, so
+    equal hashes mean equal prefixes (TensorRT-LLM's BlockKey chain, kvCacheManager.cpp)."""
+    out = []
+    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
+        parent = hash((parent, tuple(tokens[start : start + tokens_per_block])))
+        out.append(parent)
+    return out
 
-    def __init__(self, num_blocks: int, tokens_per_block: int):
+
+class BlockManager:
+    """Allocator over block ids, with the can_/do pairs of nano-vllm's block manager.
+
+    With `reuse` (TensorRT-LLM's `enable_kv_cache_reuse`), blocks are reference-counted: a full block
+    whose hash was `register`ed stays cached after its last owner frees it, on an LRU list of evictable
+    blocks, until a request reuses it (`match`, then `allocate(..., reuse=...)`) or an allocation needs
+    the room (the least recently freed goes first, as TensorRT-LLM's LRU eviction policy). Evictable
+    blocks count as free: `num_used` is the blocks some sequence holds."""
+
+    def __init__(self, num_blocks: int, tokens_per_block: int, reuse: bool = False):
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
+        self.reuse = reuse
         self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self.owner: dict[int, str] = {}  # block id -> sequence id, for leak reports
+        self.refs: dict[int, int] = {}  # block id -> sequences holding it
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, least recently freed first
+        self.hash_of: dict[int, int] = {}  # block id -> hash of its (full) content
+        self.by_hash: dict[int, int] = {}  # hash -> the block id holding that content
 
     @property
     def num_free(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return blocks_for(num_tokens, self.tokens_per_block) <= self.num_free
+    @property
+    def num_cached(self) -> int:
+        """Blocks whose content is registered, held or evictable."""
+        return len(self.by_hash)
 
-    def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
-        need = blocks_for(num_tokens, self.tokens_per_block)
-        if need > self.num_free:
+    def match(self, hashes: list[int]) -> list[int]:
+        """The blocks holding the longest prefix of `hashes` (empty without reuse)."""
+        found = []
+        for h in hashes if self.reuse else ():
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def can_allocate(self, num_tokens: int, reuse: list[int] = ()) -> bool:
+        need = blocks_for(num_tokens, self.tokens_per_block) - len(reuse)
+        return need <= self.num_free - sum(1 for b in reuse if b in self.evictable)
+
+    def allocate(self, seq_id: str, num_tokens: int, reuse: list[int] = ()) -> list[int]:
+        """Blocks for `num_tokens`: the `reuse`d ones (from `match`) first, then fresh ones."""
+        if not self.can_allocate(num_tokens, reuse):
+            need = blocks_for(num_tokens, self.tokens_per_block) - len(reuse)
             raise KVCacheFullError(
                 f"KV cache full: sequence {seq_id!r} needs {need} blocks for {num_tokens} tokens, "
                 f"{self.num_free} of {self.num_blocks} free"
             )
-        ids = [self.free_block_ids.popleft() for _ in range(need)]
+        ids = list(reuse)
         for b in ids:
-            self.owner[b] = seq_id
+            self.evictable.pop(b, None)
+            self.refs[b] = self.refs.get(b, 0) + 1
+        for _ in range(blocks_for(num_tokens, self.tokens_per_block) - len(ids)):
+            b = self.free_block_ids.popleft() if self.free_block_ids else self._evict()
+            self.refs[b] = 1
+            ids.append(b)
         return ids
+
+    def _evict(self) -> int:
+        b, _ = self.evictable.popitem(last=False)
+        del self.by_hash[self.hash_of.pop(b)]
+        return b
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Block `block_id` is full and holds the content `block_hash` names: later requests may reuse it.
+        Content already cached in another block keeps that one."""
+        if self.reuse and block_hash not in self.by_hash and block_id not in self.hash_of:
+            self.by_hash[block_hash] = block_id
+            self.hash_of[block_id] = block_hash
 
     def free(self, block_ids: list[int]) -> None:
         for b in block_ids:
-            if self.owner.pop(b, None) is None:
+            refs = self.refs.pop(b, 0)
+            if refs == 0:
                 raise ValueError(f"block {b} freed twice")
-            self.free_block_ids.append(b)
+            if refs > 1:
+                self.refs[b] = refs - 1
+            elif b in self.hash_of:
+                self.evictable[b] = None
+            else:
+                self.free_block_ids.append(b)
 
 
 @dataclass(frozen=True)

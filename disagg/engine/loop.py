@@ -24,6 +24,9 @@ class EngineStats:
     held: int
     blocks_used: int
     blocks_total: int
+    blocks_cached: int = 0  # registered for reuse (held or evictable)
+    reused_blocks: int = 0  # prompt blocks found cached, since the engine started
+    prompt_blocks: int = 0  # prompt blocks looked up, since the engine started
 
     @property
     def in_flight(self) -> int:
@@ -85,7 +88,8 @@ class EngineLoop:
 
     def _stats(self) -> EngineStats:
         e = self.engine
-        return EngineStats(len(e.waiting), e.num_in_batch, len(e.held), e.blocks.num_used, e.blocks.num_blocks)
+        return EngineStats(len(e.waiting), e.num_in_batch, len(e.held), e.blocks.num_used, e.blocks.num_blocks,
+                           e.blocks.num_cached, e.reused_blocks, e.prompt_blocks)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Aborts everything in flight and joins the thread (Triton's finalize)."""

@@ -79,6 +79,9 @@ class EngineMetrics(Metrics):
         self.handoff_count = self.counter("disagg_kv_handoff_count_total", "KV handoffs completed")
         self.reclaimed = self.counter("disagg_kv_handoff_reclaimed_total", "Handoffs freed by lease expiry")
         self.restarts = self.gauge("disagg_engine_restarts", "Reloads of this engine model after an instance of it died")
+        self.blocks_cached = self.gauge("disagg_kv_blocks_cached", "KV blocks kept for prefix reuse (enable_kv_cache_reuse)")
+        self.reused_blocks = self.gauge("disagg_kv_reused_blocks", "Prompt blocks found cached, since the instance started")
+        self.prompt_blocks = self.gauge("disagg_kv_prompt_blocks", "Prompt blocks looked up for reuse, since the instance started")
 
     def update(self, stats, held_handoffs: int = 0) -> None:
         self.blocks_in_use.set(stats.blocks_used)
@@ -86,3 +89,6 @@ class EngineMetrics(Metrics):
         self.in_flight.set(stats.in_flight)
         self.queue_depth.set(stats.waiting)
         self.handoff_held.set(held_handoffs)
+        self.blocks_cached.set(stats.blocks_cached)
+        self.reused_blocks.set(stats.reused_blocks)
+        self.prompt_blocks.set(stats.prompt_blocks)

@@ -1,0 +1,92 @@
+"""TTFT with prefix reuse (`enable_kv_cache_reuse`) vs without, on the reference engine.
+
+Two engines of the same model and limits, one with reuse, run the same requests one at a time (TTFT is
+then the prefill the request needs, nothing queued before it): (a) prompts whose first 90% is one shared
+system prompt and few-shot block, (b) 8-turn conversations, each turn the whole history plus a new user
+message, (c) prompts that share nothing, where reuse can only cost (hashing, lookups). Prints TTFT p50
+and p95 of each engine, their ratio, and the hit rate (prompt blocks found cached / looked up).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from disagg.bench.engine import build_engine
+from disagg.engine.engine import LLMEngine, Request
+from disagg.engine.sampling import NO_END_ID
+
+
+def _ttft(engine: LLMEngine, req_id: str, prompt: tuple[int, ...], max_new: int) -> tuple[float, list[int]]:
+    """Seconds to the first token of a request run alone, and all its tokens."""
+    engine.add_request(Request(req_id, prompt, max_new, end_id=NO_END_ID))
+    t, first, out = time.perf_counter(), None, []
+    while engine.has_work():
+        for o in engine.step():
+            out += o.tokens
+            first = first or time.perf_counter() - t
+    return first, out
+
+
+def workloads(prompt_len: int, count: int, vocab: int, seed: int = 0) -> dict[str, list[list[tuple[int, ...]]]]:
+    """name -> conversations, each a list of turns' prompts without the answers (filled in as they run)."""
+    rng = np.random.default_rng(seed)
+
+    def toks(n: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(2, vocab, n))
+
+    shared = toks(prompt_len * 9 // 10)
+    return {
+        "(a) 90% shared prefix": [[shared + toks(prompt_len - len(shared))] for _ in range(count)],
+        "(b) 8-turn conversations": [[toks(prompt_len // 8)] + [toks(prompt_len // 16) for _ in range(7)] for _ in range(max(1, count // 8))],
+        "(c) nothing shared": [[toks(prompt_len)] for _ in range(count)],
+    }
+
+
+def run_workload(engine: LLMEngine, conversations: list[list[tuple[int, ...]]], answer_tokens: int, tag: str) -> tuple[list[float], list[list[int]]]:
+    """TTFTs of every turn; a turn's prompt is the history (earlier turns and their answers) + its message."""
+    ttfts, answers = [], []
+    for c, turns in enumerate(conversations):
+        history: tuple[int, ...] = ()
+        for t, message in enumerate(turns):
+            history += message
+            ttft, out = _ttft(engine, f"{tag}-{c}-{t}", history, answer_tokens)
+            ttfts.append(ttft)
+            answers.append(out)
+            history += tuple(out)
+    return ttfts, answers
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m disagg.bench prefix", description=__doc__)
+    p.add_argument("--root", type=Path, default=Path("build"), help="where checkpoints and engines are cached")
+    p.add_argument("--preset", default="bench-100mb")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length of (a) and (c); (b) grows to about it")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--answer-tokens", type=int, default=16)
+    a = p.parse_args(argv)
+    longest = a.prompt_tokens + 8 * a.answer_tokens + 8
+    dirs = {reuse: build_engine(a.root, a.preset, 1, longest, a.answer_tokens, reuse=reuse) for reuse in (False, True)}
+    engines = {reuse: LLMEngine(d) for reuse, d in dirs.items()}
+    vocab = engines[False].config.model.vocab_size
+    for engine in engines.values():
+        _ttft(engine, "warm", tuple(range(2, 66)), 2)
+    print(f"prefix: {a.preset}, reference engine, one request at a time, prompts of about {a.prompt_tokens} tokens, "
+          f"{a.answer_tokens} answer tokens; TTFT in ms")
+    print(f"{'workload':<26} {'p50 no reuse':>12} {'p50 reuse':>10} {'ratio':>6} | {'p95 no reuse':>12} {'p95 reuse':>10} {'ratio':>6} | {'hit rate':>8}")
+    for name, conversations in workloads(a.prompt_tokens, a.requests, vocab).items():
+        figures, outputs = {}, {}
+        for reuse, engine in engines.items():
+            before = (engine.reused_blocks, engine.prompt_blocks)
+            ttfts, outputs[reuse] = run_workload(engine, conversations, a.answer_tokens, name[:3])
+            figures[reuse] = np.percentile(np.asarray(ttfts) * 1e3, [50, 95])
+            if reuse:
+                hit = (engine.reused_blocks - before[0]) / max(1, engine.prompt_blocks - before[1])
+        if outputs[True] != outputs[False]:
+            raise SystemExit(f"prefix: {name}: the answers with reuse differ from those without")
+        (p50, p95), (r50, r95) = figures[False], figures[True]
+        print(f"{name:<26} {p50:>12.1f} {r50:>10.1f} {r50 / p50:>6.2f} | {p95:>12.1f} {r95:>10.1f} {r95 / p95:>6.2f} | {hit:>8.0%}")
+    print("answers with reuse equal those without, token for token, in every workload")
+    return 0
