@@ -22,6 +22,7 @@ from disagg.engine.config import engine_max_input_len
 ROLES = ("prefill", "decode", "aggregated")
 BACKENDS = ("reference", "tensorrt_llm")
 KV_TRANSFER_BACKENDS = ("shm", "tcp", "ucx", "nixl", "mpi")
+PREFILL_ROUTING = ("cache_aware", "least_loaded", "random")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -111,6 +112,7 @@ SCHEMA = {
                 "max_in_flight": {"type": "integer", "minimum": 1},
                 "prefill_timeout_s": {"type": "number", "exclusiveMinimum": 0},
                 "decode_timeout_s": {"type": "number", "exclusiveMinimum": 0},
+                "prefill_routing": {"enum": list(PREFILL_ROUTING)},
             },
         },
         "output": {
@@ -187,6 +189,9 @@ class OrchestratorSpec:
     max_in_flight: int = 64
     prefill_timeout_s: float = 30.0
     decode_timeout_s: float = 300.0
+    # Which prefill instance a request goes to: where its prefix is cached weighed against load (falls
+    # back to load alone without enable_kv_cache_reuse), the least loaded, or at random (a baseline).
+    prefill_routing: str = "cache_aware"
 
 
 @dataclass(frozen=True)

@@ -325,7 +325,7 @@ class LLMEngine:
         tpb = self.config.build.tokens_per_block
         while (len(seq.hashes) + 1) * tpb <= seq.num_cached:
             i = len(seq.hashes)
-            seq.hashes += block_hashes(seq.tokens[i * tpb : (i + 1) * tpb], tpb, seq.hashes[-1] if seq.hashes else None)
+            seq.hashes += block_hashes(seq.tokens[i * tpb : (i + 1) * tpb], tpb, seq.hashes[-1] if seq.hashes else 0)
             self.blocks.register(seq.block_table[i], seq.hashes[-1])
 
     def _context_chunks(self, budget: int) -> list[tuple[Sequence, int]]:

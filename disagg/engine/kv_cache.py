@@ -10,6 +10,7 @@ block_table[t // tokens_per_block] at offset t % tokens_per_block.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -24,12 +25,14 @@ def blocks_for(num_tokens: int, tokens_per_block: int) -> int:
     return -(-num_tokens // tokens_per_block)
 
 
-def block_hashes(tokens: list[int] | tuple[int, ...], tokens_per_block: int, parent: int | None = None) -> list[int]:
+def block_hashes(tokens: list[int] | tuple[int, ...], tokens_per_block: int, parent: int = 0) -> list[int]:
     """A hash chain over the full blocks of `tokens`: block i's hash covers every token up to its end, so
-    equal hashes mean equal prefixes (TensorRT-LLM's BlockKey chain, kvCacheManager.cpp)."""
+    equal hashes mean equal prefixes (TensorRT-LLM's BlockKey chain, kvCacheManager.cpp). 64-bit BLAKE2b,
+    the same in every process (Python's own hash of None is not), so engines and routers can share them."""
     out = []
     for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
-        parent = hash((parent, tuple(tokens[start : start + tokens_per_block])))
+        block = np.asarray(tokens[start : start + tokens_per_block], dtype=np.int64).tobytes()
+        parent = int.from_bytes(hashlib.blake2b(parent.to_bytes(8, "little") + block, digest_size=8).digest(), "little")
         out.append(parent)
     return out
 
@@ -52,6 +55,7 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced, least recently freed first
         self.hash_of: dict[int, int] = {}  # block id -> hash of its (full) content
         self.by_hash: dict[int, int] = {}  # hash -> the block id holding that content
+        self.version = 0  # changes whenever the set of cached contents does
 
     @property
     def num_free(self) -> int:
@@ -101,6 +105,7 @@ class BlockManager:
     def _evict(self) -> int:
         b, _ = self.evictable.popitem(last=False)
         del self.by_hash[self.hash_of.pop(b)]
+        self.version += 1
         return b
 
     def register(self, block_id: int, block_hash: int) -> None:
@@ -109,6 +114,7 @@ class BlockManager:
         if self.reuse and block_hash not in self.by_hash and block_id not in self.hash_of:
             self.by_hash[block_hash] = block_id
             self.hash_of[block_id] = block_hash
+            self.version += 1
 
     def free(self, block_ids: list[int]) -> None:
         for b in block_ids:

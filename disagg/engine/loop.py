@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from disagg.engine.engine import LLMEngine, Request, StepOutput
 
 OnOutput = Callable[[StepOutput], None]
@@ -90,6 +92,14 @@ class EngineLoop:
         e = self.engine
         return EngineStats(len(e.waiting), e.num_in_batch, len(e.held), e.blocks.num_used, e.blocks.num_blocks,
                            e.blocks.num_cached, e.reused_blocks, e.prompt_blocks)
+
+    def cached_blocks(self, since_version: int) -> tuple[int, np.ndarray | None]:
+        """The prefix cache's version and, if it changed since `since_version`, its block hashes."""
+        with self._lock:
+            blocks = self.engine.blocks
+            if blocks.version == since_version:
+                return since_version, None
+            return blocks.version, np.fromiter(blocks.by_hash, dtype=np.uint64, count=len(blocks.by_hash))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Aborts everything in flight and joins the thread (Triton's finalize)."""

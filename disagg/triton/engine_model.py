@@ -27,7 +27,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.loop import EngineLoop
 from disagg.engine.no_compute import SKIP_COMPUTE_ENV, skip_compute
-from disagg.triton import credential, load_board
+from disagg.triton import credential, kv_index, load_board
 from disagg.triton.cancel_board import Throttle
 from disagg.triton.contract import CONTEXT_PARAMS_MISSING
 from disagg.triton.metrics import EngineMetrics
@@ -286,8 +286,14 @@ class TritonPythonModel:
 
     def _refresh_metrics(self, period_s: float = 0.1) -> None:
         """Gauges and the load board follow the pool whatever changed it: a step, an ack, a lease expiry, a cancel."""
-        reclaimed = 0
+        reclaimed, index_version = 0, -1  # -1: publish at once, replacing a killed predecessor's index
+        reuse = self.loop.engine.blocks.reuse
+        tpb = self.loop.engine.config.build.tokens_per_block
         while not self._closed.wait(period_s):
+            if reuse:  # what the prefix cache holds, for cache-aware routing
+                index_version, hashes = self.loop.cached_blocks(index_version)
+                if hashes is not None:
+                    kv_index.publish(self.board_key, self.name, self.instance, tpb, hashes)
             stats = self.loop.stats()
             self.metrics.update(stats, self.agent.num_held if self.agent else 0)
             load_board.publish(self.board_key, self.name, self.instance, stats.in_flight, stats.blocks_total - stats.blocks_used)
@@ -299,6 +305,7 @@ class TritonPythonModel:
         self._closed.set()
         self._refresher.join(timeout=5)  # a publish already under way would recreate the entry withdrawn here
         load_board.withdraw(self.board_key, self.name, self.instance)
+        kv_index.withdraw(self.board_key, self.name, self.instance)
         self.pulls.shutdown(wait=False, cancel_futures=True)
         if self.agent is not None:
             self.agent.close()

@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import threading
 import time
 import uuid
@@ -48,7 +49,8 @@ import triton_python_backend_utils as pb_utils
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
-from disagg.triton import cancel_board, credential, load_board
+from disagg.engine.kv_cache import block_hashes
+from disagg.triton import cancel_board, credential, kv_index, load_board
 from disagg.triton.contract import (
     CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
     rename_inputs,
@@ -279,6 +281,9 @@ class TritonPythonModel:
         self.engine_urls = {model: remote.get(model, local) for model in self.engines}
         self.input_names = parse_input_names(model_param(args, "engine_input_names"))
         self.dispatched: dict[str, int] = {}
+        self.prefill_routing = model_param(args, "prefill_routing")
+        self.kv_index = kv_index.IndexReader(self.board_key)
+        self.rng = random.Random(0)
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
         self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
@@ -354,7 +359,7 @@ class TritonPythonModel:
 
     def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float, reached: Reached) -> None:
         self._check_live(self.decoders)  # no prefill work (and KV to hand off) for a request no decode can take
-        prefill = self._pick(self.prefills)
+        prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])])
         reached.models.append(prefill)
         try:
             if int(inputs["request_output_len"].reshape(-1)[0]) <= 1:  # the context phase is all of it
@@ -411,6 +416,37 @@ class TritonPythonModel:
             model = load_board.least_loaded(self.board_key, models, self.dispatched)
             self.dispatched[model] = self.dispatched.get(model, 0) + 1
         return model
+
+    def _pick_prefill(self, prompt: np.ndarray) -> str:
+        """`least_loaded` as `_pick`; `random`; or `cache_aware` (the default): the prefill instance that
+        would have the least to do, counting the prompt blocks it must compute (those past the longest
+        prefix it holds cached, disagg.triton.kv_index) plus a whole prompt for each request it already has
+        in flight, as Dynamo's KV router weighs overlap against load."""
+        if self.prefill_routing == "random" or len(self.prefills) == 1:
+            model = self.rng.choice(self.prefills)
+        elif self.prefill_routing == "cache_aware":
+            model = self._cache_aware(prompt)
+        else:
+            return self._pick(self.prefills)
+        with self._lock:
+            self.dispatched[model] = self.dispatched.get(model, 0) + 1
+        return model
+
+    def _cache_aware(self, prompt: np.ndarray) -> str:
+        costs = {}
+        for model in self.prefills:
+            tpb, held = self.kv_index.held(model)
+            hashes = block_hashes(prompt[:-1].tolist(), tpb) if tpb else []
+            matched = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+            published = [e for e in load_board.entries(self.board_key, model) if e.fresh]
+            if any(e.load.pid and not e.process_alive for e in published):
+                continue  # known dead
+            with self._lock:
+                in_flight = max(sum(e.load.in_flight for e in published), self.dispatched.get(model, 0))
+            blocks = max(1, len(hashes))
+            costs[model] = (blocks - matched) + in_flight * blocks
+        # every instance known dead: the least loaded one, which `_hop` then refuses by name
+        return min(costs, key=costs.get) if costs else load_board.least_loaded(self.board_key, self.prefills, self.dispatched)
 
     def _done(self, model: str) -> None:
         with self._lock:
