@@ -111,7 +111,9 @@ def test_a_killed_decode_fails_its_requests_within_2_s_and_heals_within_5_s(serv
     assert stream(served.grpc_url, "ensemble", "prompt 0", 250, end_id=NO_END_ID).text == expected[0]
     assert _restarts(served)["decode"] == 1
     assert wait_kv_zero(served, timeout_s=10.0) == NO_KV
-    assert "decode: instance decode_0_0" in served.log.read_text() and "reloaded in" in served.log.read_text()
+    log = served.log.read_text()
+    # reloaded by the watchdog, or (in about one kill of six) decode's own server aborted and was restarted
+    assert "decode: instance decode_0_0" in log and ("reloaded in" in log or "tritonserver of decode ready again" in log)
     print(f"not ready after {not_ready:.2f} s, serving again {healed:.2f} s after the kill")
 
 
@@ -183,8 +185,10 @@ def test_a_killed_engine_server_is_started_again_and_the_main_server_stays_up(se
     main_pid = served.main_pid()
     [engine_server] = [p for p in map(int, subprocess.run(["pgrep", "-P", str(served.proc.pid), "-f", "tritonserver .*load-model=decode"],
                                                           capture_output=True, text=True).stdout.split())]
+    ready_again = "disagg-serve: tritonserver of decode ready again"
+    restarted = served.log.read_text().count(ready_again)  # an earlier kill may already have restarted it
     os.kill(engine_server, signal.SIGKILL)
-    served.until(lambda: "disagg-serve: tritonserver of decode ready again" in served.log.read_text(), 30.0, "decode's server started again")
+    served.until(lambda: served.log.read_text().count(ready_again) > restarted, 30.0, "decode's server started again")
     served.until(served.serves, 5.0, "serving again")
     assert served.main_pid() == main_pid
     assert served.probe("/ready")[0] == 200

@@ -1,0 +1,82 @@
+"""A host-memory store of prefix KV blocks shared by the engine instances of one node.
+
+An instance with prefix reuse publishes every full block it computes (named by its hash chain,
+disagg.engine.kv_cache.block_hashes) and, when a prompt's prefix is not in its own cache, imports the
+blocks the store has before computing the rest, so a prefix computed by one instance serves them all.
+Blocks are files in a directory (/dev/shm: memory), named `<prefix><hash>.kv` (the prefix names the
+deployment and block size, so a deployment's sweep removes them), each one block's KV in the handoff's
+wire format (disagg.engine.kv_wire.SequenceKV), so an importer of another TP/PP layout converts it as a
+decode engine converts a handoff. Writers never clash: a block is written to a private temporary file
+and renamed into place, and two writers of one hash write the same bytes. Bounded by bytes: a write that
+takes the store over `capacity_bytes` removes the least recently used blocks (a read refreshes a block's
+time) until it fits again.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from disagg.engine.kv_wire import KVFormatError, SequenceKV
+
+
+class KVStore:
+    def __init__(self, directory: Path, prefix: str, capacity_bytes: int):
+        self.directory, self.prefix = Path(directory), prefix
+        self.capacity_bytes = capacity_bytes
+        self.written = self.evicted = 0  # by this process: blocks put, blocks removed to make room
+
+    def _path(self, block_hash: int) -> Path:
+        return self.directory / f"{self.prefix}{block_hash:016x}.kv"
+
+    def __contains__(self, block_hash: int) -> bool:
+        return self._path(block_hash).is_file()
+
+    def get(self, block_hash: int) -> SequenceKV | None:
+        """The block's KV, or None when it is not (or no longer) stored."""
+        path = self._path(block_hash)
+        try:
+            raw = path.read_bytes()
+            os.utime(path)  # recently used
+            return SequenceKV.from_bytes(raw)
+        except FileNotFoundError:
+            return None
+        except KVFormatError:  # not a block of ours
+            path.unlink(missing_ok=True)
+            return None
+
+    def put(self, block_hash: int, kv: SequenceKV) -> None:
+        path = self._path(block_hash)
+        if path.is_file():
+            os.utime(path)
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{self.prefix}tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(kv.to_bytes())
+        os.replace(tmp, path)
+        self.written += 1
+        self._fit()
+
+    def _fit(self) -> None:
+        blocks = []
+        for entry in os.scandir(self.directory):
+            if entry.name.startswith(self.prefix) and entry.name.endswith(".kv"):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue  # removed by another instance meanwhile
+                blocks.append((st.st_mtime_ns, st.st_size, entry.path))
+        total = sum(size for _, size, _ in blocks)
+        for _, size, path in sorted(blocks):
+            if total <= self.capacity_bytes:
+                break
+            try:
+                os.unlink(path)
+                self.evicted += 1
+            except FileNotFoundError:
+                pass
+            total -= size
+
+    def nbytes(self) -> int:
+        return sum(e.stat().st_size for e in os.scandir(self.directory) if e.name.startswith(self.prefix) and e.name.endswith(".kv"))
+
