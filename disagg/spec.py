@@ -56,6 +56,7 @@ _ROLE_SCHEMA = {
         "kv_cache_blocks": {"type": "integer", "minimum": 1},
         "kv_cache_free_gpu_mem_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "enable_kv_cache_reuse": {"type": "boolean"},
+        "kv_store_mb": {"type": "integer", "minimum": 0},
         "enable_chunked_context": {"type": "boolean"},
         "batch_scheduler_policy": {"enum": ["max_utilization", "guaranteed_no_evict"]},
     },
@@ -146,6 +147,8 @@ class RoleSpec:
     node: str = "localhost"
     kv_cache_free_gpu_mem_fraction: float = 0.9
     enable_kv_cache_reuse: bool = False
+    # The node's prefix-block store this role's instances share (disagg.engine.kv_store); 0: none.
+    kv_store_mb: int = 0
     enable_chunked_context: bool = False
     batch_scheduler_policy: str = "guaranteed_no_evict"
 
@@ -256,6 +259,7 @@ def _role_from_raw(name: str, raw: dict) -> RoleSpec:
         node=raw.get("node", "localhost"),
         kv_cache_free_gpu_mem_fraction=raw.get("kv_cache_free_gpu_mem_fraction", 0.9),
         enable_kv_cache_reuse=raw.get("enable_kv_cache_reuse", False),
+        kv_store_mb=raw.get("kv_store_mb", 0),
         enable_chunked_context=raw.get("enable_chunked_context", False),
         batch_scheduler_policy=raw.get("batch_scheduler_policy", "guaranteed_no_evict"),
     )
@@ -284,6 +288,14 @@ def _check_role(role: RoleSpec, backend: str) -> None:
         raise SpecError(
             f"{at}.kv_cache_blocks",
             f"{role.kv_cache_blocks} blocks of {tpb} tokens cannot hold one sequence of max_seq_len={role.max_seq_len} (needs {per_seq})",
+        )
+    if role.kv_store_mb and not role.enable_kv_cache_reuse:
+        raise SpecError(f"{at}.kv_store_mb", "a prefix store needs enable_kv_cache_reuse: true on the role")
+    if role.kv_store_mb and backend == "tensorrt_llm":
+        raise SpecError(
+            f"{at}.kv_store_mb",
+            "the tensorrtllm backend shares no prefix blocks between instances; each instance reuses its own "
+            "(enable_kv_cache_reuse), or use backend reference",
         )
     if backend == "tensorrt_llm" and not role.devices:
         raise SpecError(f"{at}.devices", "required with backend tensorrt_llm (one list of GPU ids per instance)")

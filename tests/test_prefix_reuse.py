@@ -157,3 +157,65 @@ def test_the_prefix_benchmark_reports_hits_only_where_prompts_share(tmp_path, ca
     # (a): every request after the first finds the 90% prefix: 7 of 7 blocks for 3 of 4 requests
     assert rows["(a) 90% shared prefix"][-1] == "75%"
     assert rows["(b) 8-turn conversations"][-1] != "0%" and rows["(c) nothing shared"][-1] == "0%"
+
+
+# -- the node's shared store ---------------------------------------------------------------------------
+
+def test_a_prefix_computed_by_one_instance_serves_another_of_another_layout(factory, tmp_path):
+    from disagg.engine.engine import LLMEngine
+    from disagg.engine.kv_store import KVStore
+
+    store = KVStore(tmp_path, "disagg-kvstore-test-t16-", 1 << 30)
+    first = LLMEngine(factory.engine_dir(limits=REUSE), kv_store=store)
+    second = LLMEngine(factory.engine_dir(tp=2, pp=2, limits=REUSE), kv_store=store)  # another instance, sharded
+    plain = factory.engine()
+    system = tokens(5 * TPB, 110)
+    prompt = system + tokens(9, 111)
+    assert run(first, "a", prompt, 10) == run(plain, "a", prompt, 10)
+    assert store.written >= 5 and first.store_hits == 0
+    other = system + tokens(7, 112)
+    assert run(second, "b", other, 10) == run(plain, "b", other, 10)
+    assert second.store_hits == 5 and second.reused_blocks == 5  # its own cache was empty
+    assert second.blocks.num_used == 0
+
+
+def test_the_store_stays_within_its_bytes_and_drops_the_least_recently_used(tmp_path):
+    from disagg.engine.kv_store import KVStore
+    from disagg.engine.kv_wire import KVLayout, SequenceKV
+
+    layout = KVLayout(2, 2, 4, TPB, 1, 1)
+    block = SequenceKV(layout, TPB, (np.ones((2, 2, TPB, 2, 4), dtype=np.float32),))
+    size = len(block.to_bytes())
+    store = KVStore(tmp_path, "disagg-kvstore-x-", 3 * size)
+    for h in range(3):
+        store.put(h, block)
+    assert store.get(0) is not None  # 0 is now the most recently used
+    store.put(3, block)  # over capacity: 1, the least recently used, goes
+    assert [h in store for h in range(4)] == [True, False, True, True]
+    assert store.nbytes() <= 3 * size and store.evicted == 1
+    assert not list(tmp_path.glob("*tmp*"))
+
+
+def test_concurrent_writers_leave_whole_blocks(tmp_path):
+    import threading
+
+    from disagg.engine.kv_store import KVStore
+    from disagg.engine.kv_wire import KVLayout, SequenceKV
+
+    layout = KVLayout(2, 2, 4, TPB, 1, 1)
+    blocks = {h: SequenceKV(layout, TPB, (np.full((2, 2, TPB, 2, 4), h, dtype=np.float32),)) for h in range(20)}
+    stores = [KVStore(tmp_path, "disagg-kvstore-y-", 1 << 30) for _ in range(4)]
+
+    def write(store):
+        for h, block in blocks.items():
+            store.put(h, block)
+
+    threads = [threading.Thread(target=write, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for h in blocks:
+        got = stores[0].get(h)
+        assert got is not None and float(got.shards[0].mean()) == h
+    assert not list(tmp_path.glob("*tmp*"))

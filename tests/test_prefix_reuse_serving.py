@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -84,3 +85,31 @@ def test_cache_aware_routing_sends_repeat_prefixes_where_they_are_cached(new_pro
     assert aware / looked_up > at_random / looked_up_random
     # every repeat found its system prompt: 12 repeats, each system prompt's whole blocks (>= 2 of 16 tokens)
     assert aware >= 12 * 2
+
+
+def test_the_node_store_serves_a_prefix_one_prefill_instance_computed_to_the_other(new_project, start_triton):
+    project = new_project("prefix-store")
+    config = project / "configs" / "cpu-tiny.yaml"
+    raw = yaml.safe_load(config.read_text())
+    for role in raw["roles"].values():
+        role["enable_kv_cache_reuse"] = True
+    raw["roles"]["prefill"].update(instances=2, kv_store_mb=16)
+    raw["orchestrator"]["prefill_routing"] = "random"  # both instances see the system prompt
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with contextlib.chdir(project):
+        assert main(["--config", "configs/cpu-tiny.yaml"]) == 0
+    server = start_triton(project / "model_repository")
+    key = server.board_key
+    try:
+        for q in range(6):
+            prompt = SYSTEM + f"Question {q}?"
+            assert stream(server.grpc_url, "ensemble", prompt, 16).text == stream(server.grpc_url, "aggregated", prompt, 16).text
+        time.sleep(1.2)  # the store's size is scanned once a second
+        metrics = by_role(scrape(server.metrics_url))
+        # the instance that did not compute the system prompt first imported it from the store
+        assert metrics["disagg_kv_store_hits"]["prefill"] > 0
+        assert 0 < metrics["disagg_kv_store_bytes"]["prefill"] <= 2 * 16 << 20  # both instances report the one store
+        assert list(Path("/dev/shm").glob(f"disagg-kvstore-{key}-*"))
+    finally:
+        server.stop()
+    assert not list(Path("/dev/shm").glob(f"disagg-kvstore-{key}-*"))  # swept with the deployment

@@ -342,3 +342,8 @@ def _state(pid: str) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return None
+
+
+def test_a_shared_prefix_store_is_refused_for_the_tensorrtllm_backend(tmp_path):
+    with pytest.raises(SpecError, match=r"^roles\.prefill\.kv_store_mb: the tensorrtllm backend shares no prefix blocks"):
+        example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["roles"]["prefill"].update(kv_store_mb=512))

@@ -119,6 +119,7 @@ def engine_models(spec: DeploymentSpec) -> list[Model]:
                     "kv_transfer_backend": kv.backend,
                     "kv_lease_seconds": kv.lease_seconds,
                     "kv_bind_address": kv.bind_address,
+                    "kv_store_bytes": role.kv_store_mb << 20,
                 },
             ))
     return models

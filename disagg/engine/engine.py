@@ -43,6 +43,7 @@ import numpy as np
 from disagg.engine.config import EngineConfig
 from disagg.engine.kv_cache import BlockManager, KVShape, KVStorage, block_hashes, blocks_for
 from disagg.engine.kv_wire import KVLayout, SequenceKV
+from disagg.engine.kv_store import KVStore
 from disagg.engine.llama import LlamaModel, StepInput
 from disagg.engine.no_compute import NoComputeModel
 from disagg.engine.paged_kv import PagedKV
@@ -135,9 +136,11 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, engine_dir: str | Path, kv_buffer: Callable[[int], object] | None = None, skip_compute: bool = False):
+    def __init__(self, engine_dir: str | Path, kv_buffer: Callable[[int], object] | None = None, skip_compute: bool = False,
+                 kv_store: KVStore | None = None):
         """`kv_buffer(nbytes)` supplies the KV pool's memory (e.g. shared memory a decode engine reads);
-        `skip_compute` swaps the decoder for one that costs nothing (disagg.engine.no_compute)."""
+        `skip_compute` swaps the decoder for one that costs nothing (disagg.engine.no_compute); `kv_store`
+        (with prefix reuse) is the node's store of prefix blocks this instance publishes to and imports from."""
         self.config = EngineConfig.load(engine_dir)
         cfg, m, b = self.config.model, self.config.mapping, self.config.build
         stages = m.stage_layers(cfg.num_hidden_layers)
@@ -149,6 +152,8 @@ class LLMEngine:
         self.blocks = BlockManager(b.kv_cache_blocks, b.tokens_per_block, reuse=b.enable_kv_cache_reuse)
         self.reused_blocks = 0  # prompt blocks found cached, over all requests (kv_cache_reused_blocks)
         self.prompt_blocks = 0  # prompt blocks looked up: reused / prompt_blocks is the hit rate
+        self.store = kv_store if b.enable_kv_cache_reuse else None
+        self.store_hits = 0  # prompt blocks imported from the store (not in this instance's own cache)
         if skip_compute:
             self.model = NoComputeModel(cfg.vocab_size)
         else:
@@ -299,7 +304,8 @@ class LLMEngine:
             # (TensorRT-LLM kvCacheManager.cpp BlockManager::addSequence chops inputLength - 1 tokens).
             hashes = [] if gen_only else block_hashes(req.prompt_ids[:-1], b.tokens_per_block)
             reuse = self.blocks.match(hashes)
-            tokens = 1 if gen_only else len(req.prompt_ids) - len(reuse) * b.tokens_per_block
+            stored = self._stored_run(hashes[len(reuse) :])
+            tokens = 1 if gen_only else len(req.prompt_ids) - (len(reuse) + stored) * b.tokens_per_block
             if tokens > budget and not b.enable_chunked_context:
                 break
             if not self.blocks.can_allocate(self._reserve(req), reuse):
@@ -311,11 +317,30 @@ class LLMEngine:
             if gen_only:
                 self._import(seq)
             else:
-                seq.num_cached, seq.hashes = len(reuse) * b.tokens_per_block, hashes[: len(reuse)]
-                self.reused_blocks += len(reuse)
+                found = len(reuse) + self._import_stored(seq.block_table, hashes, len(reuse), stored)
+                seq.num_cached, seq.hashes = found * b.tokens_per_block, hashes[:found]
+                self.reused_blocks += found
                 self.prompt_blocks += len(hashes)
                 seq.status = Status.CONTEXT
                 self.running[seq.req_id] = seq
+
+    def _stored_run(self, hashes: list[int]) -> int:
+        """How many of `hashes`, from the first, the store holds."""
+        if self.store is None:
+            return 0
+        return next((i for i, h in enumerate(hashes) if h not in self.store), len(hashes))
+
+    def _import_stored(self, block_table: list[int], hashes: list[int], start: int, count: int) -> int:
+        """Copies stored blocks `hashes[start:start + count]` into the sequence's blocks; how many it got (a
+        block another instance evicted meanwhile ends the run: the rest is computed)."""
+        for i in range(start, start + count):
+            kv = self.store.get(hashes[i])
+            if kv is None:
+                return i - start
+            kv.copy_into(self.kv, self.layout, [block_table[i]])
+            self.blocks.register(block_table[i], hashes[i])
+            self.store_hits += 1
+        return count
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Offers the sequence's blocks that its computed KV now fills for reuse (prompt and generated
@@ -327,6 +352,10 @@ class LLMEngine:
             i = len(seq.hashes)
             seq.hashes += block_hashes(seq.tokens[i * tpb : (i + 1) * tpb], tpb, seq.hashes[-1] if seq.hashes else 0)
             self.blocks.register(seq.block_table[i], seq.hashes[-1])
+            if self.store is not None and seq.hashes[-1] not in self.store:
+                ranks = range(self.config.mapping.world_size)
+                block = SequenceKV(self.layout, tpb, tuple(self.kv.gather(r, [seq.block_table[i]], tpb) for r in ranks))
+                self.store.put(seq.hashes[-1], block)
 
     def _context_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, end): the part of each prompt in the batch that this step prefills, given the `budget`

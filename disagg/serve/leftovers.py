@@ -49,7 +49,7 @@ def names(shm_dir: Path = SHM) -> set[str]:
 def deployment_objects(key: str, shm_dir: Path = SHM, since: set[str] | None = None, regions_only: bool = False) -> list[Path]:
     """The deployment's own objects (unless `regions_only`), and backend regions nobody maps (see the
     module's docstring)."""
-    ours = () if regions_only else (f"disagg-load-{key}-", f"disagg-kvindex-{key}-", f"disagg-cancel-{key}-", f"disagg-restarts-{key}", f"disagg-internal-{key}", f"disagg_{key}_")
+    ours = () if regions_only else (f"disagg-load-{key}-", f"disagg-kvindex-{key}-", f"disagg-kvstore-{key}-", f"disagg-cancel-{key}-", f"disagg-restarts-{key}", f"disagg-internal-{key}", f"disagg_{key}_")
     mapped, now = mapped_names(shm_dir), time.time()
 
     def orphan_region(p: Path) -> bool:

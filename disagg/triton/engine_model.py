@@ -24,7 +24,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from disagg.engine.config import EngineConfig
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
+from disagg.engine.kv_store import KVStore
 from disagg.engine.loop import EngineLoop
 from disagg.engine.no_compute import SKIP_COMPUTE_ENV, skip_compute
 from disagg.triton import credential, kv_index, load_board
@@ -140,7 +142,13 @@ class TritonPythonModel:
         self.metrics.restarts.set(load_board.restarts(self.board_key).get(self.name, 0))
         if skip_compute():
             pb_utils.Logger.log_warn(f"{self.instance}: {SKIP_COMPUTE_ENV}=1: the forward pass is skipped, tokens are not the model's")
-        engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None, skip_compute=skip_compute())
+        store_bytes = int(model_param(args, "kv_store_bytes"))
+        store = None
+        if store_bytes:  # shared by the deployment's instances on this node, per block size
+            tpb = EngineConfig.load(resolve_path(args, "engine_dir")).build.tokens_per_block
+            store = KVStore(load_board.board_dir(), f"disagg-kvstore-{self.board_key}-t{tpb}-", store_bytes)
+        engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None,
+                           skip_compute=skip_compute(), kv_store=store)
         self.loop = EngineLoop(engine)
         self.agent = None
         if self.role == "prefill":
@@ -287,6 +295,7 @@ class TritonPythonModel:
     def _refresh_metrics(self, period_s: float = 0.1) -> None:
         """Gauges and the load board follow the pool whatever changed it: a step, an ack, a lease expiry, a cancel."""
         reclaimed, index_version = 0, -1  # -1: publish at once, replacing a killed predecessor's index
+        store_check = Throttle(1.0)
         reuse = self.loop.engine.blocks.reuse
         tpb = self.loop.engine.config.build.tokens_per_block
         while not self._closed.wait(period_s):
@@ -296,6 +305,10 @@ class TritonPythonModel:
                     kv_index.publish(self.board_key, self.name, self.instance, tpb, hashes)
             stats = self.loop.stats()
             self.metrics.update(stats, self.agent.num_held if self.agent else 0)
+            store = self.loop.engine.store
+            if store is not None and store_check.due():  # a directory scan: once a second
+                self.metrics.store_bytes.set(store.nbytes())
+                self.metrics.store_evictions.set(store.evicted)
             load_board.publish(self.board_key, self.name, self.instance, stats.in_flight, stats.blocks_total - stats.blocks_used)
             if self.agent is not None and self.agent.reclaimed > reclaimed:
                 self.metrics.reclaimed.increment(self.agent.reclaimed - reclaimed)

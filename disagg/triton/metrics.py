@@ -82,6 +82,9 @@ class EngineMetrics(Metrics):
         self.blocks_cached = self.gauge("disagg_kv_blocks_cached", "KV blocks kept for prefix reuse (enable_kv_cache_reuse)")
         self.reused_blocks = self.gauge("disagg_kv_reused_blocks", "Prompt blocks found cached, since the instance started")
         self.prompt_blocks = self.gauge("disagg_kv_prompt_blocks", "Prompt blocks looked up for reuse, since the instance started")
+        self.store_hits = self.gauge("disagg_kv_store_hits", "Prompt blocks imported from the node's prefix store, since the instance started")
+        self.store_bytes = self.gauge("disagg_kv_store_bytes", "Bytes in the node's prefix store (kv_store_mb)")
+        self.store_evictions = self.gauge("disagg_kv_store_evictions", "Blocks this instance removed from the store to make room")
 
     def update(self, stats, held_handoffs: int = 0) -> None:
         self.blocks_in_use.set(stats.blocks_used)
@@ -92,3 +95,4 @@ class EngineMetrics(Metrics):
         self.blocks_cached.set(stats.blocks_cached)
         self.reused_blocks.set(stats.reused_blocks)
         self.prompt_blocks.set(stats.prompt_blocks)
+        self.store_hits.set(stats.store_hits)
