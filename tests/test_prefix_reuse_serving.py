@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from disagg.bench.prefix import routing_hit_rates
 from disagg.cli import main
 from disagg.serve.metrics import by_role, scrape
 from tools.stream_client import stream
@@ -46,16 +47,7 @@ def test_shared_prefixes_are_reused_and_answers_stay_those_of_aggregated(new_pro
         server.stop()
 
 
-def _hit_rate(server, requests: list[str]) -> tuple[float, float]:
-    """Streams `requests` one after another through `ensemble`; (prefill blocks reused, looked up)."""
-    for prompt in requests:
-        assert stream(server.grpc_url, "ensemble", prompt, 4).text
-    time.sleep(0.3)  # the engines refresh their gauges every 0.1 s
-    metrics = by_role(scrape(server.metrics_url))
-    return metrics["disagg_kv_reused_blocks"]["prefill"], metrics["disagg_kv_prompt_blocks"]["prefill"]
-
-
-def test_cache_aware_routing_sends_repeat_prefixes_where_they_are_cached(new_project, start_triton):
+def test_cache_aware_routing_sends_repeat_prefixes_where_they_are_cached(new_project):
     """Two prefill instances, four system prompts asked four questions each, interleaved: cache-aware
     routing finds more of the prompts cached than random routing."""
     project = new_project("prefix-routing")
@@ -67,19 +59,7 @@ def test_cache_aware_routing_sends_repeat_prefixes_where_they_are_cached(new_pro
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
     with contextlib.chdir(project):
         assert main(["--config", "configs/cpu-tiny.yaml"]) == 0
-    repo = project / "model_repository"
-    systems = [f"System prompt {i}: " + " ".join(f"rule {i}.{j} is to be brief and kind" for j in range(4)) + ". " for i in range(4)]
-    requests = [system + f"Question {q}?" for q in range(4) for system in systems]
-    rates = {}
-    orchestrator = repo / "disagg_orchestrator" / "config.pbtxt"
-    for routing in ("cache_aware", "random"):
-        text = orchestrator.read_text()
-        orchestrator.write_text(text.replace('value: { string_value: "cache_aware" }', f'value: {{ string_value: "{routing}" }}'))
-        server = start_triton(repo)
-        try:
-            rates[routing] = _hit_rate(server, requests)
-        finally:
-            server.stop()
+    rates = routing_hit_rates(project / "model_repository")
     (aware, looked_up), (at_random, looked_up_random) = rates["cache_aware"], rates["random"]
     assert looked_up == looked_up_random > 0
     assert aware / looked_up > at_random / looked_up_random

@@ -1,10 +1,14 @@
-"""TTFT with prefix reuse (`enable_kv_cache_reuse`) vs without, on the reference engine.
+"""TTFT with prefix reuse (`enable_kv_cache_reuse`) vs without, and cache-aware vs random routing.
 
 Two engines of the same model and limits, one with reuse, run the same requests one at a time (TTFT is
 then the prefill the request needs, nothing queued before it): (a) prompts whose first 90% is one shared
 system prompt and few-shot block, (b) 8-turn conversations, each turn the whole history plus a new user
 message, (c) prompts that share nothing, where reuse can only cost (hashing, lookups). Prints TTFT p50
 and p95 of each engine, their ratio, and the hit rate (prompt blocks found cached / looked up).
+
+Then, served (cpu-tiny with reuse and two prefill instances, one tritonserver per routing): four system
+prompts asked four questions each, interleaved, through `ensemble`; the prefill hit rate with
+`prefill_routing: cache_aware` and with `random`.
 """
 from __future__ import annotations
 
@@ -59,6 +63,56 @@ def run_workload(engine: LLMEngine, conversations: list[list[tuple[int, ...]]], 
     return ttfts, answers
 
 
+ROUTING_PARAM = 'key: "prefill_routing" value: {{ string_value: "{}" }}'
+
+
+def routing_hit_rates(repo: Path, routings: tuple[str, ...] = ("cache_aware", "random")) -> dict[str, tuple[float, float]]:
+    """Serves `repo` (reuse on, several prefill instances) once per routing; {routing: (blocks reused,
+    looked up)} over the prefill instances for the interleaved shared-prompt workload."""
+    from disagg.serve.metrics import by_role, scrape
+    from disagg.serve.server import TritonServer
+    from tools.stream_client import stream
+
+    systems = [f"System prompt {i}: " + " ".join(f"rule {i}.{j} is to be brief and kind" for j in range(4)) + ". " for i in range(4)]
+    requests = [system + f"Question {q}?" for q in range(4) for system in systems]
+    config = repo / "disagg_orchestrator" / "config.pbtxt"
+    rendered = next(r for r in ("cache_aware", "least_loaded", "random") if ROUTING_PARAM.format(r) in config.read_text())
+    out = {}
+    try:
+        for routing in routings:
+            config.write_text(config.read_text().replace(ROUTING_PARAM.format(rendered), ROUTING_PARAM.format(routing)))
+            rendered = routing
+            with TritonServer(repo, log_path=repo.parent / f"server-{routing}.log") as server:  # fresh engines: empty caches
+                for prompt in requests:
+                    stream(server.grpc_url, "ensemble", prompt, 4)
+                time.sleep(0.3)  # the engines refresh their gauges every 0.1 s
+                metrics = by_role(scrape(server.metrics_url))
+            out[routing] = (metrics["disagg_kv_reused_blocks"]["prefill"], metrics["disagg_kv_prompt_blocks"]["prefill"])
+    finally:
+        config.write_text(config.read_text().replace(ROUTING_PARAM.format(rendered), ROUTING_PARAM.format(routings[0])))
+    return out
+
+
+def _routing_repo(root: Path) -> Path:
+    """cpu-tiny with reuse on every role and two prefill instances, built under `root`."""
+    import yaml
+
+    from disagg.cli import build
+    from disagg.spec import load_spec
+
+    raw = yaml.safe_load(Path("configs/cpu-tiny.yaml").read_text())
+    for role in raw["roles"].values():
+        role["enable_kv_cache_reuse"] = True
+    raw["roles"]["prefill"]["instances"] = 2
+    raw["output"] = {"build_dir": str(root), "model_repository": str(root / "model_repository")}
+    path = root / "spec.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    spec = load_spec(path)
+    build(spec, log=lambda _line: None)
+    return spec.model_repository
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m disagg.bench prefix", description=__doc__)
     p.add_argument("--root", type=Path, default=Path("build"), help="where checkpoints and engines are cached")
@@ -66,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length of (a) and (c); (b) grows to about it")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--answer-tokens", type=int, default=16)
+    p.add_argument("--no-routing", dest="routing", action="store_false", help="skip the served routing comparison")
     a = p.parse_args(argv)
     longest = a.prompt_tokens + 8 * a.answer_tokens + 8
     dirs = {reuse: build_engine(a.root, a.preset, 1, longest, a.answer_tokens, reuse=reuse) for reuse in (False, True)}
@@ -89,4 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         (p50, p95), (r50, r95) = figures[False], figures[True]
         print(f"{name:<26} {p50:>12.1f} {r50:>10.1f} {r50 / p50:>6.2f} | {p95:>12.1f} {r95:>10.1f} {r95 / p95:>6.2f} | {hit:>8.0%}")
     print("answers with reuse equal those without, token for token, in every workload")
+    if a.routing:
+        rates = routing_hit_rates(_routing_repo(a.root / "prefix-routing"))
+        print("served, two prefill instances, 4 system prompts x 4 questions interleaved: prefill hit rate " +
+              ", ".join(f"{routing} {used:.0f}/{seen:.0f} = {used / seen:.0%}" for routing, (used, seen) in rates.items()))
     return 0
