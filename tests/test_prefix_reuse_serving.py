@@ -18,16 +18,25 @@ pytestmark = pytest.mark.e2e
 SYSTEM = "You are a terse assistant. Answer in one line. Examples: the sky is blue; water is wet; fire is hot. "
 
 
-def test_shared_prefixes_are_reused_and_answers_stay_those_of_aggregated(new_project, start_triton):
-    project = new_project("prefix-reuse")
+def built_with_reuse(new_project, name: str, prefill: dict | None = None, orchestrator: dict | None = None) -> Path:
+    """A built copy of cpu-tiny with `enable_kv_cache_reuse` on every role (and `prefill`/`orchestrator`
+    changes); its model repository."""
+    project = new_project(name)
     config = project / "configs" / "cpu-tiny.yaml"
     raw = yaml.safe_load(config.read_text())
     for role in raw["roles"].values():
         role["enable_kv_cache_reuse"] = True
+    raw["roles"]["prefill"].update(prefill or {})
+    raw["orchestrator"].update(orchestrator or {})
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
     with contextlib.chdir(project):
         assert main(["--config", "configs/cpu-tiny.yaml"]) == 0
-    server = start_triton(project / "model_repository")
+    return project / "model_repository"
+
+
+def test_shared_prefixes_are_reused_and_answers_stay_those_of_aggregated(new_project, start_triton):
+    repo = built_with_reuse(new_project, "prefix-reuse")
+    server = start_triton(repo)
     try:
         questions = ["What is the sky?", "What is water?", "What is fire?"]
         first = {q: stream(server.grpc_url, "aggregated", SYSTEM + q, 24).text for q in questions}
@@ -50,16 +59,8 @@ def test_shared_prefixes_are_reused_and_answers_stay_those_of_aggregated(new_pro
 def test_cache_aware_routing_sends_repeat_prefixes_where_they_are_cached(new_project):
     """Two prefill instances, four system prompts asked four questions each, interleaved: cache-aware
     routing finds more of the prompts cached than random routing."""
-    project = new_project("prefix-routing")
-    config = project / "configs" / "cpu-tiny.yaml"
-    raw = yaml.safe_load(config.read_text())
-    for role in raw["roles"].values():
-        role["enable_kv_cache_reuse"] = True
-    raw["roles"]["prefill"]["instances"] = 2
-    config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    with contextlib.chdir(project):
-        assert main(["--config", "configs/cpu-tiny.yaml"]) == 0
-    rates = routing_hit_rates(project / "model_repository")
+    repo = built_with_reuse(new_project, "prefix-routing", prefill={"instances": 2})
+    rates = routing_hit_rates(repo)
     (aware, looked_up), (at_random, looked_up_random) = rates["cache_aware"], rates["random"]
     assert looked_up == looked_up_random > 0
     assert aware / looked_up > at_random / looked_up_random
@@ -68,17 +69,9 @@ def test_cache_aware_routing_sends_repeat_prefixes_where_they_are_cached(new_pro
 
 
 def test_the_node_store_serves_a_prefix_one_prefill_instance_computed_to_the_other(new_project, start_triton):
-    project = new_project("prefix-store")
-    config = project / "configs" / "cpu-tiny.yaml"
-    raw = yaml.safe_load(config.read_text())
-    for role in raw["roles"].values():
-        role["enable_kv_cache_reuse"] = True
-    raw["roles"]["prefill"].update(instances=2, kv_store_mb=16)
-    raw["orchestrator"]["prefill_routing"] = "random"  # both instances see the system prompt
-    config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    with contextlib.chdir(project):
-        assert main(["--config", "configs/cpu-tiny.yaml"]) == 0
-    server = start_triton(project / "model_repository")
+    # random routing: both instances see the system prompt
+    repo = built_with_reuse(new_project, "prefix-store", prefill={"instances": 2, "kv_store_mb": 16}, orchestrator={"prefill_routing": "random"})
+    server = start_triton(repo)
     key = server.board_key
     try:
         for q in range(6):

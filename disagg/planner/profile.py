@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from disagg.engine.engine import LLMEngine, Request
@@ -74,8 +75,13 @@ def _steps(engine: LLMEngine) -> None:
 
 def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
     """Times prompts (whole, or chunk by chunk where the engine chunks them) at lengths up to the engine's
-    max input length, and decode steps at batch sizes up to its max batch and two context lengths."""
-    engine = LLMEngine(engine_dir)
+    max input length, and decode steps at batch sizes up to its max batch and two context lengths. One
+    BLAS thread, as the engine model serves (disagg.triton.engine_model)."""
+    with threadpool_limits(1, user_api="blas"):
+        return _profile(LLMEngine(engine_dir), engine_dir.name, progress)
+
+
+def _profile(engine: LLMEngine, name: str, progress: bool) -> StepModel:
     b = engine.config.build
     vocab = engine.config.model.vocab_size
     rng = np.random.default_rng(0)
@@ -92,7 +98,7 @@ def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
     decode: list[Sample] = []
     prompted: list[Sample] = []
     work = [("prompt", n) for n in lengths] + [("decode", (bs, c)) for bs in batches for c in contexts if bs * c <= b.kv_cache_blocks * b.tokens_per_block]
-    for i, (kind, arg) in enumerate(tqdm(work, desc=f"profile {engine_dir.name}", disable=not progress, leave=False)):
+    for i, (kind, arg) in enumerate(tqdm(work, desc=f"profile {name}", disable=not progress, leave=False)):
         if kind == "prompt":
             engine.add_request(Request(f"p{i}", prompt(arg), 1))
             cached = 0
