@@ -110,7 +110,8 @@ def check(planner: Planner, workload: Workload, results: list[Path]) -> None:
             for name in ("aggregated", "disaggregated"):
                 measured = point[name]
                 deployment = Deployment(aggregated=2) if name == "aggregated" else Deployment(prefill=1, decode=1)
-                p = predict(planner.run(deployment, traffic, traffic.rate), traffic)
+                # as many requests as the measured run sent: past saturation its queue is that long, no longer
+                p = predict(planner.run(deployment, traffic, traffic.rate, count=measured["requests"]), traffic)
                 row = []
                 for label, pred, meas in (("p50 TTFT", p.ttft_p50_s, measured["ttft_ms"]["p50"]),
                                           ("p95 ITL", p.itl_p95_s, measured["itl_ms"]["p95"])):

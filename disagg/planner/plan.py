@@ -77,11 +77,12 @@ class Planner:
     def __init__(self, steps: dict[str, StepModel], limits: dict[str, EngineLimits], handoff_s: Callable[[int], float]):
         self.steps, self.limits, self.handoff_s = steps, limits, handoff_s
 
-    def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None) -> list[SimRequest]:
+    def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None,
+            count: int = SIMULATED_REQUESTS) -> list[SimRequest]:
         limits = self.limits
         if decode_batch is not None:
             limits = {**limits, "decode": replace(limits["decode"], max_batch_size=decode_batch)}
-        return simulate(deployment, self.steps, limits, traffic.requests(rate), self.handoff_s)
+        return simulate(deployment, self.steps, limits, traffic.requests(rate, count), self.handoff_s)
 
     def goodput(self, deployment: Deployment, traffic: Traffic, decode_batch: int | None = None) -> float:
         def meets(rate: float) -> bool:
