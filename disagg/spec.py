@@ -57,6 +57,8 @@ _ROLE_SCHEMA = {
         "kv_cache_free_gpu_mem_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "enable_kv_cache_reuse": {"type": "boolean"},
         "kv_store_mb": {"type": "integer", "minimum": 0},
+        "kv_store_disk_mb": {"type": "integer", "minimum": 0},
+        "kv_store_disk_dir": {"type": "string", "minLength": 1},
         "enable_chunked_context": {"type": "boolean"},
         "batch_scheduler_policy": {"enum": ["max_utilization", "guaranteed_no_evict"]},
     },
@@ -149,6 +151,9 @@ class RoleSpec:
     enable_kv_cache_reuse: bool = False
     # The node's prefix-block store this role's instances share (disagg.engine.kv_store); 0: none.
     kv_store_mb: int = 0
+    # A tier on disk below it (for capacity), in a directory per model weights; it outlives the deployment.
+    kv_store_disk_mb: int = 0
+    kv_store_disk_dir: Path = Path("build/kv-store")
     enable_chunked_context: bool = False
     batch_scheduler_policy: str = "guaranteed_no_evict"
 
@@ -260,6 +265,8 @@ def _role_from_raw(name: str, raw: dict) -> RoleSpec:
         kv_cache_free_gpu_mem_fraction=raw.get("kv_cache_free_gpu_mem_fraction", 0.9),
         enable_kv_cache_reuse=raw.get("enable_kv_cache_reuse", False),
         kv_store_mb=raw.get("kv_store_mb", 0),
+        kv_store_disk_mb=raw.get("kv_store_disk_mb", 0),
+        kv_store_disk_dir=Path(raw.get("kv_store_disk_dir", "build/kv-store")),
         enable_chunked_context=raw.get("enable_chunked_context", False),
         batch_scheduler_policy=raw.get("batch_scheduler_policy", "guaranteed_no_evict"),
     )
@@ -291,6 +298,8 @@ def _check_role(role: RoleSpec, backend: str) -> None:
         )
     if role.kv_store_mb and not role.enable_kv_cache_reuse:
         raise SpecError(f"{at}.kv_store_mb", "a prefix store needs enable_kv_cache_reuse: true on the role")
+    if role.kv_store_disk_mb and not role.kv_store_mb:
+        raise SpecError(f"{at}.kv_store_disk_mb", "a disk tier goes below the host-memory store: set kv_store_mb too")
     if role.kv_store_mb and backend == "tensorrt_llm":
         raise SpecError(
             f"{at}.kv_store_mb",

@@ -152,7 +152,7 @@ def test_eviction_under_pressure_keeps_outputs_right(factory):
 def test_the_prefix_benchmark_reports_hits_only_where_prompts_share(tmp_path, capsys):
     from disagg.bench.prefix import main
 
-    assert main(["--root", str(tmp_path), "--preset", "tiny", "--prompt-tokens", "128", "--requests", "4"]) == 0
+    assert main(["--root", str(tmp_path), "--preset", "tiny", "--prompt-tokens", "128", "--requests", "4", "--no-routing"]) == 0
     rows = {line[:26].strip(): line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("(")}
     # (a): every request after the first finds the 90% prefix: 7 of 7 blocks for 3 of 4 requests
     assert rows["(a) 90% shared prefix"][-1] == "75%"
@@ -219,3 +219,37 @@ def test_concurrent_writers_leave_whole_blocks(tmp_path):
         got = stores[0].get(h)
         assert got is not None and float(got.shards[0].mean()) == h
     assert not list(tmp_path.glob("*tmp*"))
+
+
+def test_blocks_pushed_out_of_memory_go_to_disk_and_come_back_when_read(tmp_path):
+    from disagg.engine.kv_store import KVStore
+    from disagg.engine.kv_wire import KVLayout, SequenceKV
+
+    layout = KVLayout(2, 2, 4, TPB, 1, 1)
+    blocks = {h: SequenceKV(layout, TPB, (np.full((2, 2, TPB, 2, 4), h, dtype=np.float32),)) for h in range(4)}
+    size = len(blocks[0].to_bytes())
+    disk = KVStore(tmp_path / "disk", "", 10 * size)
+    memory = KVStore(tmp_path / "shm", "disagg-kvstore-z-", 2 * size, below=disk)
+    for h, block in blocks.items():
+        memory.put(h, block)
+    assert len(list((tmp_path / "shm").glob("*.kv"))) == 2 and len(list((tmp_path / "disk").glob("*.kv"))) == 2
+    assert all(h in memory for h in blocks)
+    got = memory.get(0)  # on disk only: read from there and moved back up, pushing another down
+    assert float(got.shards[0].mean()) == 0 and (tmp_path / "shm" / f"disagg-kvstore-z-{0:016x}.kv").is_file()
+    assert memory.nbytes() <= 2 * size and disk.nbytes() <= 10 * size
+
+
+def test_a_restarted_deployment_finds_the_prefix_on_disk(factory, tmp_path):
+    from disagg.engine.engine import LLMEngine
+    from disagg.engine.kv_store import KVStore
+
+    plain = factory.engine()
+    prompt = tokens(5 * TPB, 120) + tokens(9, 121)
+    block_bytes = 4 * 2 * 4 * TPB * 8 * 4 + 4096  # layers x (k, v) x heads x tokens x head_dim x 4 bytes, plus header
+    before = KVStore(tmp_path / "shm1", "disagg-kvstore-a-", block_bytes, below=KVStore(tmp_path / "disk", "", 1 << 30))
+    assert run(LLMEngine(factory.engine_dir(limits=REUSE), kv_store=before), "a", prompt, 10) == run(plain, "a", prompt, 10)
+    # A new deployment: its memory tier starts empty; the disk tier is the same directory.
+    after = KVStore(tmp_path / "shm2", "disagg-kvstore-b-", 1 << 30, below=KVStore(tmp_path / "disk", "", 1 << 30))
+    engine = LLMEngine(factory.engine_dir(limits=REUSE), kv_store=after)
+    assert run(engine, "b", prompt, 10) == run(plain, "b", prompt, 10)
+    assert engine.store_hits >= 4  # the blocks the first one pushed down (its newest stayed in its memory)

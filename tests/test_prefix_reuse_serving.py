@@ -70,7 +70,8 @@ def test_cache_aware_routing_sends_repeat_prefixes_where_they_are_cached(new_pro
 
 def test_the_node_store_serves_a_prefix_one_prefill_instance_computed_to_the_other(new_project, start_triton):
     # random routing: both instances see the system prompt
-    repo = built_with_reuse(new_project, "prefix-store", prefill={"instances": 2, "kv_store_mb": 16}, orchestrator={"prefill_routing": "random"})
+    repo = built_with_reuse(new_project, "prefix-store", prefill={"instances": 2, "kv_store_mb": 16, "kv_store_disk_mb": 16},
+                            orchestrator={"prefill_routing": "random"})
     server = start_triton(repo)
     key = server.board_key
     try:
@@ -86,3 +87,5 @@ def test_the_node_store_serves_a_prefix_one_prefill_instance_computed_to_the_oth
     finally:
         server.stop()
     assert not list(Path("/dev/shm").glob(f"disagg-kvstore-{key}-*"))  # swept with the deployment
+    # the disk tier below it outlives the deployment, in a directory named by the weights
+    assert [p.name for p in (repo.parent / "build" / "kv-store").glob("*/t16")] == ["t16"]

@@ -86,7 +86,7 @@ def test_engine_models_follow_the_tensorrtllm_contract(repo, spec):
         assert outputs["kv_cache_reused_blocks"] == ("TYPE_INT32", [1])
         assert params(cfg) == {
             "engine_dir": f"../build/engines/{role}", "role": role,
-            "kv_transfer_backend": "shm", "kv_lease_seconds": "30", "kv_bind_address": "127.0.0.1", "kv_store_bytes": "0",
+            "kv_transfer_backend": "shm", "kv_lease_seconds": "30", "kv_bind_address": "127.0.0.1", "kv_store_bytes": "0", "kv_store_disk_bytes": "0", "kv_store_disk_dir": "",
         }
 
 

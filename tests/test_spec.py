@@ -59,6 +59,7 @@ def test_default_spec_is_valid():
         ("roles.decode.max_input_len", 128, "roles.decode.max_input_len", "below roles.prefill.max_input_len=256"),
         ("roles.decode.devices", [[0], [1]], "roles.decode.devices", "2 device lists for instances=1"),
         ("roles.prefill.kv_store_mb", 64, "roles.prefill.kv_store_mb", "a prefix store needs enable_kv_cache_reuse: true on the role"),
+        ("roles.prefill.kv_store_disk_mb", 64, "roles.prefill.kv_store_disk_mb", "a disk tier goes below the host-memory store: set kv_store_mb too"),
     ],
 )
 def test_bad_spec_names_key_and_reason(tmp_path, path, value, key, reason):

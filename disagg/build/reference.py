@@ -101,6 +101,12 @@ def build_roles(spec: DeploymentSpec, roles: list[str], force: bool, log=print) 
     return todo
 
 
+def weights_key(spec: DeploymentSpec) -> str:
+    """Names the model's weights (the checkpoint's contents and the dtype): what KV blocks kept on disk
+    were computed with."""
+    return inputs_key(checkpoint_files(spec.model.path), {"dtype": spec.model.dtype})[:16]
+
+
 def engine_models(spec: DeploymentSpec) -> list[Model]:
     """The reference engine's Python model per engine model name (disagg/triton/engine_model.py), with the
     tensorrtllm backend's tensor names. Its engine dir is relative to the repository, so the committed
@@ -120,6 +126,8 @@ def engine_models(spec: DeploymentSpec) -> list[Model]:
                     "kv_lease_seconds": kv.lease_seconds,
                     "kv_bind_address": kv.bind_address,
                     "kv_store_bytes": role.kv_store_mb << 20,
+                    "kv_store_disk_bytes": role.kv_store_disk_mb << 20,
+                    "kv_store_disk_dir": repo_relative(spec, role.kv_store_disk_dir / weights_key(spec)) if role.kv_store_disk_mb else "",
                 },
             ))
     return models

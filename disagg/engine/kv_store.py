@@ -9,7 +9,9 @@ wire format (disagg.engine.kv_wire.SequenceKV), so an importer of another TP/PP 
 decode engine converts a handoff. Writers never clash: a block is written to a private temporary file
 and renamed into place, and two writers of one hash write the same bytes. Bounded by bytes: a write that
 takes the store over `capacity_bytes` removes the least recently used blocks (a read refreshes a block's
-time) until it fits again.
+time) until it fits again; with a tier `below` (a directory on disk, for capacity), they move down to it
+instead, and a block found only there moves back up when read. The disk tier outlives the deployment, so
+its directory is named by the model's weights (the caller's `model_key`): other weights never read it.
 """
 from __future__ import annotations
 
@@ -21,28 +23,30 @@ from disagg.engine.kv_wire import KVFormatError, SequenceKV
 
 
 class KVStore:
-    def __init__(self, directory: Path, prefix: str, capacity_bytes: int):
+    def __init__(self, directory: Path, prefix: str, capacity_bytes: int, below: KVStore | None = None):
         self.directory, self.prefix = Path(directory), prefix
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
-        self.written = self.evicted = 0  # by this process: blocks put, blocks removed to make room
+        self.below = below
+        self.written = self.evicted = 0  # by this process: blocks put, blocks removed (or moved down) to make room
 
     def _path(self, block_hash: int) -> Path:
         return self.directory / f"{self.prefix}{block_hash:016x}.kv"
 
     def __contains__(self, block_hash: int) -> bool:
-        return self._path(block_hash).is_file()
+        return self._path(block_hash).is_file() or (self.below is not None and block_hash in self.below)
 
     def get(self, block_hash: int) -> SequenceKV | None:
-        """The block's KV, or None when it is not (or no longer) stored."""
-        path = self._path(block_hash)
+        """The block's KV, or None when it is not (or no longer) stored in this tier or below."""
+        raw = self._read(block_hash)
+        if raw is None and self.below is not None:
+            raw = self.below._read(block_hash)
+            if raw is not None:
+                self._write(block_hash, raw)  # back up: it is in use again
         try:
-            raw = path.read_bytes()
-            os.utime(path)  # recently used
-            return SequenceKV.from_bytes(raw)
-        except FileNotFoundError:
-            return None
+            return None if raw is None else SequenceKV.from_bytes(raw)
         except KVFormatError:  # not a block of ours
-            path.unlink(missing_ok=True)
+            self._path(block_hash).unlink(missing_ok=True)
             return None
 
     def put(self, block_hash: int, kv: SequenceKV) -> None:
@@ -50,10 +54,22 @@ class KVStore:
         if path.is_file():
             os.utime(path)
             return
+        self._write(block_hash, kv.to_bytes())
+
+    def _read(self, block_hash: int) -> bytes | None:
+        path = self._path(block_hash)
+        try:
+            raw = path.read_bytes()
+            os.utime(path)  # recently used
+            return raw
+        except FileNotFoundError:
+            return None
+
+    def _write(self, block_hash: int, raw: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{self.prefix}tmp-")
         with os.fdopen(fd, "wb") as f:
-            f.write(kv.to_bytes())
-        os.replace(tmp, path)
+            f.write(raw)
+        os.replace(tmp, self._path(block_hash))
         self.written += 1
         self._fit()
 
@@ -71,10 +87,13 @@ class KVStore:
             if total <= self.capacity_bytes:
                 break
             try:
+                if self.below is not None:
+                    raw = Path(path).read_bytes()
+                    self.below._write(int(Path(path).stem.removeprefix(self.prefix), 16), raw)
                 os.unlink(path)
                 self.evicted += 1
             except FileNotFoundError:
-                pass
+                pass  # removed (or moved down) by another instance meanwhile
             total -= size
 
     def nbytes(self) -> int:

@@ -146,7 +146,10 @@ class TritonPythonModel:
         store = None
         if store_bytes:  # shared by the deployment's instances on this node, per block size
             tpb = EngineConfig.load(resolve_path(args, "engine_dir")).build.tokens_per_block
-            store = KVStore(load_board.board_dir(), f"disagg-kvstore-{self.board_key}-t{tpb}-", store_bytes)
+            disk_bytes = int(model_param(args, "kv_store_disk_bytes"))
+            disk = (repository_root(args) / model_param(args, "kv_store_disk_dir") / f"t{tpb}").resolve() if disk_bytes else None
+            below = KVStore(disk, "", disk_bytes) if disk else None
+            store = KVStore(load_board.board_dir(), f"disagg-kvstore-{self.board_key}-t{tpb}-", store_bytes, below)
         engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None,
                            skip_compute=skip_compute(), kv_store=store)
         self.loop = EngineLoop(engine)
