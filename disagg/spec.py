@@ -300,11 +300,11 @@ def _check_role(role: RoleSpec, backend: str) -> None:
         raise SpecError(f"{at}.kv_store_mb", "a prefix store needs enable_kv_cache_reuse: true on the role")
     if role.kv_store_disk_mb and not role.kv_store_mb:
         raise SpecError(f"{at}.kv_store_disk_mb", "a disk tier goes below the host-memory store: set kv_store_mb too")
-    if role.kv_store_mb and backend == "tensorrt_llm":
+    if role.kv_store_disk_mb and backend == "tensorrt_llm":
         raise SpecError(
-            f"{at}.kv_store_mb",
-            "the tensorrtllm backend shares no prefix blocks between instances; each instance reuses its own "
-            "(enable_kv_cache_reuse), or use backend reference",
+            f"{at}.kv_store_disk_mb",
+            "the tensorrtllm backend has no disk tier; kv_store_mb alone gives each instance a host-memory tier "
+            "(kv_cache_host_memory_bytes)",
         )
     if backend == "tensorrt_llm" and not role.devices:
         raise SpecError(f"{at}.devices", "required with backend tensorrt_llm (one list of GPU ids per instance)")

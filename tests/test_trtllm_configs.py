@@ -344,6 +344,9 @@ def _state(pid: str) -> str | None:
         return None
 
 
-def test_a_shared_prefix_store_is_refused_for_the_tensorrtllm_backend(tmp_path):
-    with pytest.raises(SpecError, match=r"^roles\.prefill\.kv_store_mb: the tensorrtllm backend shares no prefix blocks"):
-        example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["roles"]["prefill"].update(kv_store_mb=512))
+def test_the_prefix_store_becomes_each_instances_host_offload_and_a_disk_tier_is_refused(tmp_path):
+    spec = example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["roles"]["prefill"].update(kv_store_mb=512))
+    assert _params(_configs(spec, "prefill")["prefill"])["kv_cache_host_memory_bytes"] == str(512 << 20)
+    assert "kv_cache_host_memory_bytes" not in _params(_configs(spec, "decode")["decode"])
+    with pytest.raises(SpecError, match=r"^roles\.prefill\.kv_store_disk_mb: the tensorrtllm backend has no disk tier"):
+        example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["roles"]["prefill"].update(kv_store_mb=512, kv_store_disk_mb=4096))

@@ -217,6 +217,8 @@ def _engine_config(spec: DeploymentSpec, role: RoleSpec, name: str, mine: list[I
         "exclude_input_in_output": "true",
         "cancellation_check_period_ms": str(CANCELLATION_CHECK_PERIOD_MS),
     }
+    if role.kv_store_mb:  # reusable blocks offloaded to host memory rather than evicted, per instance
+        parameters["kv_cache_host_memory_bytes"] = str(role.kv_store_mb << 20)
     release = versions.release_of(spec)
     return render_template(
         "config.pbtxt.j2",
