@@ -266,3 +266,29 @@ def test_a_stop_ends_its_request_with_a_final_response_and_frees_its_kv(instance
     got = live.sender.until_final()
     assert [ids(r) for r, _ in got] == [expected[:1], []] and got[-1][1] == FINAL
     assert model.loop.stats().blocks_used == 0
+
+
+def test_perf_metrics_report_the_kv_blocks_a_request_reused(engine_model, factory):
+    """With `return_perf_metrics`, the final response carries the executor's KV cache metrics under TB's
+    names (fillTritonResponse): blocks newly allocated, reused from the cache, allocated in all."""
+    import dataclasses
+
+    from engine_helpers import LIMITS
+
+    model = engine_model.TritonPythonModel.__new__(engine_model.TritonPythonModel)
+    model.loop = EngineLoop(factory.engine(limits=dataclasses.replace(LIMITS, enable_kv_cache_reuse=True)))
+    model.agent, model.streams, model._lock, model.internal_key, model.name = None, {}, threading.Lock(), KEY, "aggregated"
+    try:
+        figures = []
+        for i in range(2):
+            request = generate(f"m{i}", 6, return_perf_metrics=True)
+            model.execute([request])
+            final, flags = request.sender.until_final()[-1]
+            assert flags == FINAL
+            figures.append([int(final.outputs[n].reshape(-1)[0]) for n in
+                            ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")])
+        # 40 prompt tokens + 6 new in blocks of 16: 3 blocks; the second request finds the first's 2 whole
+        # prompt blocks of its first 39 tokens
+        assert figures == [[3, 0, 3], [1, 2, 3]]
+    finally:
+        model.loop.stop()

@@ -102,6 +102,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV is in the cache
     hashes: list[int] = field(default_factory=list)  # of its full blocks registered for reuse, in order
+    reused_blocks: int = 0  # of its prompt, found cached (in this instance or the node's store)
     num_generated: int = 0
     num_sent: int = field(init=False)  # tokens returned so far, counted from the prompt's start
     status: Status = Status.WAITING
@@ -128,6 +129,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None  # "length" | "end_id" | "context_done" | "error"
     error: str | None = None
+    kv_blocks: tuple[int, int] | None = None  # when it finished: (blocks allocated, of those reused from a cache)
 
     @property
     def token(self) -> int | None:
@@ -318,7 +320,7 @@ class LLMEngine:
                 self._import(seq)
             else:
                 found = len(reuse) + self._import_stored(seq.block_table, hashes, len(reuse), stored)
-                seq.num_cached, seq.hashes = found * b.tokens_per_block, hashes[:found]
+                seq.num_cached, seq.hashes, seq.reused_blocks = found * b.tokens_per_block, hashes[:found], found
                 self.reused_blocks += found
                 self.prompt_blocks += len(hashes)
                 seq.status = Status.CONTEXT
@@ -446,7 +448,7 @@ class LLMEngine:
         """The tokens not returned before, and from now on returned."""
         tokens = tuple(seq.tokens[seq.num_sent :])
         seq.num_sent = len(seq.tokens)
-        return StepOutput(seq.req_id, tokens, finished, reason)
+        return StepOutput(seq.req_id, tokens, finished, reason, kv_blocks=(len(seq.block_table), seq.reused_blocks) if finished else None)
 
     # -- convenience -----------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:

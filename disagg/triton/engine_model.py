@@ -271,6 +271,11 @@ class TritonPythonModel:
             # Finished in its context phase (end_id, or request_output_len 1): no params. The KV is freed.
             stream.fail(f"Error encountered while populating response: {CONTEXT_PARAMS_MISSING}")
             return
+        if out.finished and stream.call.return_perf_metrics and out.kv_blocks:
+            # the executor's per-request KV cache metrics, as TB fillTritonResponse outputs them
+            total, reused = out.kv_blocks
+            extra = (extra or []) + [_tensor(name, np.asarray([[value]], dtype=np.int32)) for name, value in (
+                ("kv_cache_alloc_new_blocks", total - reused), ("kv_cache_reused_blocks", reused), ("kv_cache_alloc_total_blocks", total))]
         stream.respond(out.tokens, out.finished, extra)
 
     def _stop(self, req_id: str, sender) -> None:
