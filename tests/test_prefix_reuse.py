@@ -188,10 +188,10 @@ def test_the_store_stays_within_its_bytes_and_drops_the_least_recently_used(tmp_
     size = len(block.to_bytes())
     store = KVStore(tmp_path, "disagg-kvstore-x-", 3 * size)
     for h in range(3):
-        store.put(h, block)
-    assert store.get(0) is not None  # 0 is now the most recently used
-    store.put(3, block)  # over capacity: 1, the least recently used, goes
-    assert [h in store for h in range(4)] == [True, False, True, True]
+        store.put(TPB, h, block)
+    assert store.get(TPB, 0) is not None  # 0 is now the most recently used
+    store.put(TPB, 3, block)  # over capacity: 1, the least recently used, goes
+    assert [store.contains(TPB, h) for h in range(4)] == [True, False, True, True]
     assert store.nbytes() <= 3 * size and store.evicted == 1
     assert not list(tmp_path.glob("*tmp*"))
 
@@ -208,7 +208,7 @@ def test_concurrent_writers_leave_whole_blocks(tmp_path):
 
     def write(store):
         for h, block in blocks.items():
-            store.put(h, block)
+            store.put(TPB, h, block)
 
     threads = [threading.Thread(target=write, args=(s,)) for s in stores]
     for t in threads:
@@ -216,7 +216,7 @@ def test_concurrent_writers_leave_whole_blocks(tmp_path):
     for t in threads:
         t.join()
     for h in blocks:
-        got = stores[0].get(h)
+        got = stores[0].get(TPB, h)
         assert got is not None and float(got.shards[0].mean()) == h
     assert not list(tmp_path.glob("*tmp*"))
 
@@ -231,11 +231,11 @@ def test_blocks_pushed_out_of_memory_go_to_disk_and_come_back_when_read(tmp_path
     disk = KVStore(tmp_path / "disk", "", 10 * size)
     memory = KVStore(tmp_path / "shm", "disagg-kvstore-z-", 2 * size, below=disk)
     for h, block in blocks.items():
-        memory.put(h, block)
+        memory.put(TPB, h, block)
     assert len(list((tmp_path / "shm").glob("*.kv"))) == 2 and len(list((tmp_path / "disk").glob("*.kv"))) == 2
-    assert all(h in memory for h in blocks)
-    got = memory.get(0)  # on disk only: read from there and moved back up, pushing another down
-    assert float(got.shards[0].mean()) == 0 and (tmp_path / "shm" / f"disagg-kvstore-z-{0:016x}.kv").is_file()
+    assert all(memory.contains(TPB, h) for h in blocks) and memory.sizes() == {TPB}
+    got = memory.get(TPB, 0)  # on disk only: read from there and moved back up, pushing another down
+    assert float(got.shards[0].mean()) == 0 and (tmp_path / "shm" / f"disagg-kvstore-z-t{TPB}-{0:016x}.kv").is_file()
     assert memory.nbytes() <= 2 * size and disk.nbytes() <= 10 * size
 
 
@@ -253,3 +253,18 @@ def test_a_restarted_deployment_finds_the_prefix_on_disk(factory, tmp_path):
     engine = LLMEngine(factory.engine_dir(limits=REUSE), kv_store=after)
     assert run(engine, "b", prompt, 10) == run(plain, "b", prompt, 10)
     assert engine.store_hits >= 4  # the blocks the first one pushed down (its newest stayed in its memory)
+
+
+def test_a_prefix_published_in_one_block_size_serves_an_engine_of_another(factory, tmp_path):
+    from disagg.engine.engine import LLMEngine
+    from disagg.engine.kv_store import KVStore
+
+    store = KVStore(tmp_path, "disagg-kvstore-s-", 1 << 30)
+    publisher = LLMEngine(factory.engine_dir(limits=REUSE), kv_store=store)  # blocks of 16
+    big = dataclasses.replace(REUSE, tokens_per_block=32, kv_cache_blocks=200)
+    importer = LLMEngine(factory.engine_dir(tp=2, limits=big), kv_store=store)  # blocks of 32, TP2
+    plain = factory.engine()
+    prompt = tokens(7 * TPB, 130) + tokens(5, 131)  # 117 tokens: 7 blocks of 16 published, 3 of 32 usable
+    assert run(publisher, "a", prompt, 8) == run(plain, "a", prompt, 8)
+    assert run(importer, "b", prompt, 8) == run(plain, "b", prompt, 8)
+    assert importer.store_hits == 3 and importer.reused_blocks == 3

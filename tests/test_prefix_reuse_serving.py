@@ -88,4 +88,5 @@ def test_the_node_store_serves_a_prefix_one_prefill_instance_computed_to_the_oth
         server.stop()
     assert not list(Path("/dev/shm").glob(f"disagg-kvstore-{key}-*"))  # swept with the deployment
     # the disk tier below it outlives the deployment, in a directory named by the weights
-    assert [p.name for p in (repo.parent / "build" / "kv-store").glob("*/t16")] == ["t16"]
+    [weights] = (repo.parent / "build" / "kv-store").iterdir()
+    assert len(weights.name) == 16 and weights.is_dir()

@@ -129,7 +129,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None  # "length" | "end_id" | "context_done" | "error"
     error: str | None = None
-    kv_blocks: tuple[int, int] | None = None  # when it finished: (blocks allocated, of those reused from a cache)
+    # when it finished: (blocks allocated, of those reused from a cache); bookkeeping, not part of the result
+    kv_blocks: tuple[int, int] | None = field(default=None, compare=False)
 
     @property
     def token(self) -> int | None:
@@ -306,8 +307,8 @@ class LLMEngine:
             # (TensorRT-LLM kvCacheManager.cpp BlockManager::addSequence chops inputLength - 1 tokens).
             hashes = [] if gen_only else block_hashes(req.prompt_ids[:-1], b.tokens_per_block)
             reuse = self.blocks.match(hashes)
-            stored = self._stored_run(hashes[len(reuse) :])
-            tokens = 1 if gen_only else len(req.prompt_ids) - (len(reuse) + stored) * b.tokens_per_block
+            stored = self._stored_prefix(req.prompt_ids, len(hashes)) if len(reuse) < len(hashes) else (0, 0)
+            tokens = 1 if gen_only else len(req.prompt_ids) - max(len(reuse), stored[1]) * b.tokens_per_block
             if tokens > budget and not b.enable_chunked_context:
                 break
             if not self.blocks.can_allocate(self._reserve(req), reuse):
@@ -319,30 +320,54 @@ class LLMEngine:
             if gen_only:
                 self._import(seq)
             else:
-                found = len(reuse) + self._import_stored(seq.block_table, hashes, len(reuse), stored)
+                found = max(len(reuse), self._import_stored(seq.block_table, hashes, req.prompt_ids, len(reuse), *stored))
                 seq.num_cached, seq.hashes, seq.reused_blocks = found * b.tokens_per_block, hashes[:found], found
                 self.reused_blocks += found
                 self.prompt_blocks += len(hashes)
                 seq.status = Status.CONTEXT
                 self.running[seq.req_id] = seq
 
-    def _stored_run(self, hashes: list[int]) -> int:
-        """How many of `hashes`, from the first, the store holds."""
+    def _stored_prefix(self, prompt: tuple[int, ...], usable: int) -> tuple[int, int]:
+        """(publisher block size, this engine's blocks it covers): the longest prefix of the prompt's first
+        `usable` blocks the node's store holds, in whichever block size it was published."""
         if self.store is None:
-            return 0
-        return next((i for i, h in enumerate(hashes) if h not in self.store), len(hashes))
+            return 0, 0
+        tpb, best = self.config.build.tokens_per_block, (0, 0)
+        for size in self.store.sizes():
+            hashes = block_hashes(prompt[:-1], size)
+            run = next((i for i, h in enumerate(hashes) if not self.store.contains(size, h)), len(hashes))
+            covered = min(run * size // tpb, usable)
+            if covered > best[1]:
+                best = (size, covered)
+        return best
 
-    def _import_stored(self, block_table: list[int], hashes: list[int], start: int, count: int) -> int:
-        """Copies stored blocks `hashes[start:start + count]` into the sequence's blocks; how many it got (a
-        block another instance evicted meanwhile ends the run: the rest is computed)."""
-        for i in range(start, start + count):
-            kv = self.store.get(hashes[i])
+    def _import_stored(self, block_table: list[int], hashes: list[int], prompt: tuple[int, ...], local: int, size: int, covered: int) -> int:
+        """Copies the store's KV for this engine's blocks `local`..`covered` (after those its own cache had)
+        into the sequence, token-major as a handoff, whatever the publisher's sharding and block size; how
+        many blocks the sequence then has (a block evicted meanwhile ends the run: the rest is computed)."""
+        tpb = self.config.build.tokens_per_block
+        if covered <= local:
+            return local
+        first, last = local * tpb // size, -(-covered * tpb // size)  # the publisher's blocks that hold them
+        published = block_hashes(prompt[: last * size], size)
+        parts = []
+        for i in range(first, last):
+            kv = self.store.get(size, published[i])
             if kv is None:
-                return i - start
-            kv.copy_into(self.kv, self.layout, [block_table[i]])
+                break
+            parts.append(kv.full())
+        covered = min(covered, (first + len(parts)) * size // tpb)
+        if covered <= local:
+            return local
+        start = local * tpb - first * size
+        tokens = np.concatenate(parts, axis=2)[:, :, start : start + (covered - local) * tpb]
+        cfg = self.config.model
+        whole = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, size, 1, 1)
+        SequenceKV(whole, tokens.shape[2], (tokens,)).copy_into(self.kv, self.layout, block_table[local:covered])
+        for i in range(local, covered):
             self.blocks.register(block_table[i], hashes[i])
-            self.store_hits += 1
-        return count
+        self.store_hits += covered - local
+        return covered
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Offers the sequence's blocks that its computed KV now fills for reuse (prompt and generated
@@ -354,10 +379,10 @@ class LLMEngine:
             i = len(seq.hashes)
             seq.hashes += block_hashes(seq.tokens[i * tpb : (i + 1) * tpb], tpb, seq.hashes[-1] if seq.hashes else 0)
             self.blocks.register(seq.block_table[i], seq.hashes[-1])
-            if self.store is not None and seq.hashes[-1] not in self.store:
+            if self.store is not None and not self.store.contains(tpb, seq.hashes[-1]):
                 ranks = range(self.config.mapping.world_size)
                 block = SequenceKV(self.layout, tpb, tuple(self.kv.gather(r, [seq.block_table[i]], tpb) for r in ranks))
-                self.store.put(seq.hashes[-1], block)
+                self.store.put(tpb, seq.hashes[-1], block)
 
     def _context_chunks(self, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, end): the part of each prompt in the batch that this step prefills, given the `budget`

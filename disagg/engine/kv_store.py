@@ -3,10 +3,11 @@
 An instance with prefix reuse publishes every full block it computes (named by its hash chain,
 disagg.engine.kv_cache.block_hashes) and, when a prompt's prefix is not in its own cache, imports the
 blocks the store has before computing the rest, so a prefix computed by one instance serves them all.
-Blocks are files in a directory (/dev/shm: memory), named `<prefix><hash>.kv` (the prefix names the
-deployment and block size, so a deployment's sweep removes them), each one block's KV in the handoff's
-wire format (disagg.engine.kv_wire.SequenceKV), so an importer of another TP/PP layout converts it as a
-decode engine converts a handoff. Writers never clash: a block is written to a private temporary file
+Blocks are files in a directory (/dev/shm: memory), named `<prefix>t<block size>-<hash>.kv` (the prefix
+names the deployment, so its sweep removes them), each one block's KV in the handoff's wire format
+(disagg.engine.kv_wire.SequenceKV), token-major: an importer of another TP/PP layout or block size
+converts it as a decode engine converts a handoff (disagg.engine.engine assembles its own blocks from
+the publisher's). Writers never clash: a block is written to a private temporary file
 and renamed into place, and two writers of one hash write the same bytes. Bounded by bytes: a write that
 takes the store over `capacity_bytes` removes the least recently used blocks (a read refreshes a block's
 time) until it fits again; with a tier `below` (a directory on disk, for capacity), they move down to it
@@ -30,34 +31,41 @@ class KVStore:
         self.below = below
         self.written = self.evicted = 0  # by this process: blocks put, blocks removed (or moved down) to make room
 
-    def _path(self, block_hash: int) -> Path:
-        return self.directory / f"{self.prefix}{block_hash:016x}.kv"
+    def _path(self, size: int, block_hash: int) -> Path:
+        return self.directory / f"{self.prefix}t{size}-{block_hash:016x}.kv"
 
-    def __contains__(self, block_hash: int) -> bool:
-        return self._path(block_hash).is_file() or (self.below is not None and block_hash in self.below)
+    def contains(self, size: int, block_hash: int) -> bool:
+        """Whether a block of `size` tokens with that hash is stored, in this tier or below."""
+        return self._path(size, block_hash).is_file() or (self.below is not None and self.below.contains(size, block_hash))
 
-    def get(self, block_hash: int) -> SequenceKV | None:
+    def sizes(self) -> set[int]:
+        """The block sizes blocks are stored in (publishers may differ in tokens_per_block)."""
+        found = {int(e.name[len(self.prefix) + 1 :].split("-", 1)[0]) for e in os.scandir(self.directory)
+                 if e.name.startswith(f"{self.prefix}t") and e.name.endswith(".kv")}
+        return found | (self.below.sizes() if self.below is not None else set())
+
+    def get(self, size: int, block_hash: int) -> SequenceKV | None:
         """The block's KV, or None when it is not (or no longer) stored in this tier or below."""
-        raw = self._read(block_hash)
+        raw = self._read(size, block_hash)
         if raw is None and self.below is not None:
-            raw = self.below._read(block_hash)
+            raw = self.below._read(size, block_hash)
             if raw is not None:
-                self._write(block_hash, raw)  # back up: it is in use again
+                self._write(size, block_hash, raw)  # back up: it is in use again
         try:
             return None if raw is None else SequenceKV.from_bytes(raw)
         except KVFormatError:  # not a block of ours
-            self._path(block_hash).unlink(missing_ok=True)
+            self._path(size, block_hash).unlink(missing_ok=True)
             return None
 
-    def put(self, block_hash: int, kv: SequenceKV) -> None:
-        path = self._path(block_hash)
+    def put(self, size: int, block_hash: int, kv: SequenceKV) -> None:
+        path = self._path(size, block_hash)
         if path.is_file():
             os.utime(path)
             return
-        self._write(block_hash, kv.to_bytes())
+        self._write(size, block_hash, kv.to_bytes())
 
-    def _read(self, block_hash: int) -> bytes | None:
-        path = self._path(block_hash)
+    def _read(self, size: int, block_hash: int) -> bytes | None:
+        path = self._path(size, block_hash)
         try:
             raw = path.read_bytes()
             os.utime(path)  # recently used
@@ -65,11 +73,11 @@ class KVStore:
         except FileNotFoundError:
             return None
 
-    def _write(self, block_hash: int, raw: bytes) -> None:
+    def _write(self, size: int, block_hash: int, raw: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{self.prefix}tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
-        os.replace(tmp, self._path(block_hash))
+        os.replace(tmp, self._path(size, block_hash))
         self.written += 1
         self._fit()
 
@@ -88,8 +96,8 @@ class KVStore:
                 break
             try:
                 if self.below is not None:
-                    raw = Path(path).read_bytes()
-                    self.below._write(int(Path(path).stem.removeprefix(self.prefix), 16), raw)
+                    block_size, block_hash = Path(path).stem.removeprefix(f"{self.prefix}t").split("-")
+                    self.below._write(int(block_size), int(block_hash, 16), Path(path).read_bytes())
                 os.unlink(path)
                 self.evicted += 1
             except FileNotFoundError:

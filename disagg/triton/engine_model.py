@@ -24,7 +24,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from disagg.engine.config import EngineConfig
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.kv_store import KVStore
 from disagg.engine.loop import EngineLoop
@@ -144,12 +143,11 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"{self.instance}: {SKIP_COMPUTE_ENV}=1: the forward pass is skipped, tokens are not the model's")
         store_bytes = int(model_param(args, "kv_store_bytes"))
         store = None
-        if store_bytes:  # shared by the deployment's instances on this node, per block size
-            tpb = EngineConfig.load(resolve_path(args, "engine_dir")).build.tokens_per_block
+        if store_bytes:  # shared by the deployment's instances on this node
             disk_bytes = int(model_param(args, "kv_store_disk_bytes"))
-            disk = (repository_root(args) / model_param(args, "kv_store_disk_dir") / f"t{tpb}").resolve() if disk_bytes else None
+            disk = (repository_root(args) / model_param(args, "kv_store_disk_dir")).resolve() if disk_bytes else None
             below = KVStore(disk, "", disk_bytes) if disk else None
-            store = KVStore(load_board.board_dir(), f"disagg-kvstore-{self.board_key}-t{tpb}-", store_bytes, below)
+            store = KVStore(load_board.board_dir(), f"disagg-kvstore-{self.board_key}-", store_bytes, below)
         engine = LLMEngine(resolve_path(args, "engine_dir"), kv_buffer=self.pool.allocate if self.pool else None,
                            skip_compute=skip_compute(), kv_store=store)
         self.loop = EngineLoop(engine)
