@@ -51,6 +51,10 @@ def test_shared_prefixes_are_reused_and_answers_stay_those_of_aggregated(new_pro
             time.sleep(0.1)
         assert metrics["disagg_kv_reused_blocks"]["prefill"] > 0 and metrics["disagg_kv_reused_blocks"]["aggregated"] > 0
         assert metrics["disagg_kv_blocks_cached"]["aggregated"] > 0
+        tpb = 16
+        assert metrics["disagg_kv_reused_tokens"]["prefill"] == metrics["disagg_kv_reused_blocks"]["prefill"] * tpb
+        assert 0 < metrics["disagg_kv_prefix_hit_rate"]["prefill"] == \
+            metrics["disagg_kv_reused_blocks"]["prefill"] / metrics["disagg_kv_prompt_blocks"]["prefill"]
         assert metrics["disagg_kv_blocks_in_use"] == {"prefill": 0, "decode": 0, "aggregated": 0}
     finally:
         server.stop()

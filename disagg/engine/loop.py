@@ -30,6 +30,7 @@ class EngineStats:
     reused_blocks: int = 0  # prompt blocks found cached, since the engine started
     prompt_blocks: int = 0  # prompt blocks looked up, since the engine started
     store_hits: int = 0  # prompt blocks imported from the node's store, since the engine started
+    tokens_per_block: int = 0
 
     @property
     def in_flight(self) -> int:
@@ -92,7 +93,7 @@ class EngineLoop:
     def _stats(self) -> EngineStats:
         e = self.engine
         return EngineStats(len(e.waiting), e.num_in_batch, len(e.held), e.blocks.num_used, e.blocks.num_blocks,
-                           e.blocks.num_cached, e.reused_blocks, e.prompt_blocks, e.store_hits)
+                           e.blocks.num_cached, e.reused_blocks, e.prompt_blocks, e.store_hits, e.blocks.tokens_per_block)
 
     def cached_blocks(self, since_version: int) -> tuple[int, np.ndarray | None]:
         """The prefix cache's version and, if it changed since `since_version`, its block hashes."""
