@@ -1,10 +1,13 @@
 """TTFT with prefix reuse (`enable_kv_cache_reuse`) vs without, and cache-aware vs random routing.
 
 Two engines of the same model and limits, one with reuse, run the same requests one at a time (TTFT is
-then the prefill the request needs, nothing queued before it): (a) prompts whose first 90% is one shared
+then the prefill the request needs, nothing queued before it), conversation by conversation on one then
+the other: (a) prompts whose first 90% is one shared
 system prompt and few-shot block, (b) 8-turn conversations, each turn the whole history plus a new user
 message, (c) prompts that share nothing, where reuse can only cost (hashing, lookups). Prints TTFT p50
-and p95 of each engine, their ratio, and the hit rate (prompt blocks found cached / looked up).
+and p95 of each engine, their ratio, the median of the per-request ratios (each request timed on both
+engines back to back: the figure least moved by the machine's drift), and the hit rate (prompt blocks
+found cached / looked up).
 
 Then, served (cpu-tiny with reuse and two prefill instances, one tritonserver per routing): four system
 prompts asked four questions each, interleaved, through `ensemble`; the prefill hit rate with
@@ -49,18 +52,23 @@ def workloads(prompt_len: int, count: int, vocab: int, seed: int = 0) -> dict[st
     }
 
 
-def run_workload(engine: LLMEngine, conversations: list[list[tuple[int, ...]]], answer_tokens: int, tag: str) -> tuple[list[float], list[list[int]]]:
-    """TTFTs of every turn; a turn's prompt is the history (earlier turns and their answers) + its message."""
-    ttfts, answers = [], []
+def run_workload(engines: dict[bool, LLMEngine], conversations: list[list[tuple[int, ...]]], answer_tokens: int,
+                 tag: str) -> dict[bool, tuple[list[float], list[list[int]]]]:
+    """{reuse: (TTFT of every turn, answers)}. Each conversation runs on both engines back to back, so a
+    drift in the machine's speed hits both alike; a turn's prompt is the history (earlier turns and their
+    answers, each engine's own) + its message."""
+    out = {reuse: ([], []) for reuse in engines}
     for c, turns in enumerate(conversations):
-        history: tuple[int, ...] = ()
-        for t, message in enumerate(turns):
-            history += message
-            ttft, out = _ttft(engine, f"{tag}-{c}-{t}", history, answer_tokens)
-            ttfts.append(ttft)
-            answers.append(out)
-            history += tuple(out)
-    return ttfts, answers
+        for reuse, engine in engines.items():
+            ttfts, answers = out[reuse]
+            history: tuple[int, ...] = ()
+            for t, message in enumerate(turns):
+                history += message
+                ttft, tokens = _ttft(engine, f"{tag}-{c}-{t}", history, answer_tokens)
+                ttfts.append(ttft)
+                answers.append(tokens)
+                history += tuple(tokens)
+    return out
 
 
 ROUTING_PARAM = 'key: "prefill_routing" value: {{ string_value: "{}" }}'
@@ -130,19 +138,20 @@ def main(argv: list[str] | None = None) -> int:
         _ttft(engine, "warm", tuple(range(2, 66)), 2)
     print(f"prefix: {a.preset}, reference engine, one request at a time, prompts of about {a.prompt_tokens} tokens, "
           f"{a.answer_tokens} answer tokens; TTFT in ms")
-    print(f"{'workload':<26} {'p50 no reuse':>12} {'p50 reuse':>10} {'ratio':>6} | {'p95 no reuse':>12} {'p95 reuse':>10} {'ratio':>6} | {'hit rate':>8}")
+    print(f"{'workload':<26} {'p50 no reuse':>12} {'p50 reuse':>10} {'ratio':>6} | {'p95 no reuse':>12} {'p95 reuse':>10} {'ratio':>6} | "
+          f"{'paired':>6} | {'hit rate':>8}")
     for name, conversations in workloads(a.prompt_tokens, a.requests, vocab).items():
-        figures, outputs = {}, {}
-        for reuse, engine in engines.items():
-            before = (engine.reused_blocks, engine.prompt_blocks)
-            ttfts, outputs[reuse] = run_workload(engine, conversations, a.answer_tokens, name[:3])
-            figures[reuse] = np.percentile(np.asarray(ttfts) * 1e3, [50, 95])
-            if reuse:
-                hit = (engine.reused_blocks - before[0]) / max(1, engine.prompt_blocks - before[1])
-        if outputs[True] != outputs[False]:
+        cached = engines[True]
+        before = (cached.reused_blocks, cached.prompt_blocks)
+        results = run_workload(engines, conversations, a.answer_tokens, name[:3])
+        hit = (cached.reused_blocks - before[0]) / max(1, cached.prompt_blocks - before[1])
+        figures = {reuse: np.percentile(np.asarray(ttfts) * 1e3, [50, 95]) for reuse, (ttfts, _) in results.items()}
+        if results[True][1] != results[False][1]:
             raise SystemExit(f"prefix: {name}: the answers with reuse differ from those without")
         (p50, p95), (r50, r95) = figures[False], figures[True]
-        print(f"{name:<26} {p50:>12.1f} {r50:>10.1f} {r50 / p50:>6.2f} | {p95:>12.1f} {r95:>10.1f} {r95 / p95:>6.2f} | {hit:>8.0%}")
+        paired = float(np.median(np.asarray(results[True][0]) / np.asarray(results[False][0])))
+        print(f"{name:<26} {p50:>12.1f} {r50:>10.1f} {r50 / p50:>6.2f} | {p95:>12.1f} {r95:>10.1f} {r95 / p95:>6.2f} | "
+              f"{paired:>6.2f} | {hit:>8.0%}")
     print("answers with reuse equal those without, token for token, in every workload")
     if a.routing:
         rates = routing_hit_rates(_routing_repo(a.root / "prefix-routing"))
