@@ -305,13 +305,13 @@ class LLMEngine:
             gen_only = req.request_type == "generation_only"
             # The longest cached prefix of whole blocks, never the last token: its logits are needed
             # (TensorRT-LLM kvCacheManager.cpp BlockManager::addSequence chops inputLength - 1 tokens).
-            hashes = [] if gen_only else block_hashes(req.prompt_ids[:-1], b.tokens_per_block)
+            hashes = [] if gen_only or not self.blocks.reuse else block_hashes(req.prompt_ids[:-1], b.tokens_per_block)
             reuse = self.blocks.match(hashes)
-            stored = self._stored_prefix(req.prompt_ids, len(hashes)) if len(reuse) < len(hashes) else (0, 0)
+            if not self.blocks.can_allocate(self._reserve(req), reuse):
+                break
+            stored = self._stored_prefix(req.prompt_ids, hashes) if len(reuse) < len(hashes) else (0, 0, [])
             tokens = 1 if gen_only else len(req.prompt_ids) - max(len(reuse), stored[1]) * b.tokens_per_block
             if tokens > budget and not b.enable_chunked_context:
-                break
-            if not self.blocks.can_allocate(self._reserve(req), reuse):
                 break
             self.waiting.popleft()
             seq.block_table = self.blocks.allocate(req.req_id, self._reserve(req), reuse)
@@ -320,36 +320,37 @@ class LLMEngine:
             if gen_only:
                 self._import(seq)
             else:
-                found = max(len(reuse), self._import_stored(seq.block_table, hashes, req.prompt_ids, len(reuse), *stored))
+                found = max(len(reuse), self._import_stored(seq.block_table, hashes, len(reuse), *stored))
                 seq.num_cached, seq.hashes, seq.reused_blocks = found * b.tokens_per_block, hashes[:found], found
                 self.reused_blocks += found
                 self.prompt_blocks += len(hashes)
                 seq.status = Status.CONTEXT
                 self.running[seq.req_id] = seq
 
-    def _stored_prefix(self, prompt: tuple[int, ...], usable: int) -> tuple[int, int]:
-        """(publisher block size, this engine's blocks it covers): the longest prefix of the prompt's first
-        `usable` blocks the node's store holds, in whichever block size it was published."""
+    def _stored_prefix(self, prompt: tuple[int, ...], hashes: list[int]) -> tuple[int, int, list[int]]:
+        """(publisher block size, this engine's blocks it covers, the prompt's hashes in that size): the
+        longest prefix of the prompt's blocks (`hashes`, in this engine's size) the node's store holds, in
+        whichever block size it was published."""
         if self.store is None:
-            return 0, 0
-        tpb, best = self.config.build.tokens_per_block, (0, 0)
+            return 0, 0, []
+        tpb, best = self.config.build.tokens_per_block, (0, 0, [])
         for size in self.store.sizes():
-            hashes = block_hashes(prompt[:-1], size)
-            run = next((i for i, h in enumerate(hashes) if not self.store.contains(size, h)), len(hashes))
-            covered = min(run * size // tpb, usable)
+            published = hashes if size == tpb else block_hashes(prompt[:-1], size)
+            run = next((i for i, h in enumerate(published) if not self.store.contains(size, h)), len(published))
+            covered = min(run * size // tpb, len(hashes))
             if covered > best[1]:
-                best = (size, covered)
+                best = (size, covered, published)
         return best
 
-    def _import_stored(self, block_table: list[int], hashes: list[int], prompt: tuple[int, ...], local: int, size: int, covered: int) -> int:
+    def _import_stored(self, block_table: list[int], hashes: list[int], local: int, size: int, covered: int, published: list[int]) -> int:
         """Copies the store's KV for this engine's blocks `local`..`covered` (after those its own cache had)
-        into the sequence, token-major as a handoff, whatever the publisher's sharding and block size; how
-        many blocks the sequence then has (a block evicted meanwhile ends the run: the rest is computed)."""
+        into the sequence, token-major as a handoff, whatever the publisher's sharding and block size
+        (`published`: the prompt's hashes in it); how many blocks the sequence then has (a block evicted
+        meanwhile ends the run: the rest is computed)."""
         tpb = self.config.build.tokens_per_block
         if covered <= local:
             return local
         first, last = local * tpb // size, -(-covered * tpb // size)  # the publisher's blocks that hold them
-        published = block_hashes(prompt[: last * size], size)
         parts = []
         for i in range(first, last):
             kv = self.store.get(size, published[i])
