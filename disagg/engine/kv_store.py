@@ -12,7 +12,7 @@ and renamed into place, and two writers of one hash write the same bytes. Bounde
 takes the store over `capacity_bytes` removes the least recently used blocks (a read refreshes a block's
 time) until it fits again; with a tier `below` (a directory on disk, for capacity), they move down to it
 instead, and a block found only there moves back up when read. The disk tier outlives the deployment, so
-its directory is named by the model's weights (the caller's `model_key`): other weights never read it.
+the caller names its directory by the model's weights: other weights never read it.
 """
 from __future__ import annotations
 
@@ -38,10 +38,13 @@ class KVStore:
         """Whether a block of `size` tokens with that hash is stored, in this tier or below."""
         return self._path(size, block_hash).is_file() or (self.below is not None and self.below.contains(size, block_hash))
 
+    def _block_files(self):
+        """This tier's block files (os.DirEntry), not the temporaries being written."""
+        return (e for e in os.scandir(self.directory) if e.name.startswith(self.prefix) and e.name.endswith(".kv"))
+
     def sizes(self) -> set[int]:
         """The block sizes blocks are stored in (publishers may differ in tokens_per_block)."""
-        found = {int(e.name[len(self.prefix) + 1 :].split("-", 1)[0]) for e in os.scandir(self.directory)
-                 if e.name.startswith(f"{self.prefix}t") and e.name.endswith(".kv")}
+        found = {int(e.name[len(self.prefix) + 1 :].split("-", 1)[0]) for e in self._block_files()}
         return found | (self.below.sizes() if self.below is not None else set())
 
     def get(self, size: int, block_hash: int) -> SequenceKV | None:
@@ -83,13 +86,12 @@ class KVStore:
 
     def _fit(self) -> None:
         blocks = []
-        for entry in os.scandir(self.directory):
-            if entry.name.startswith(self.prefix) and entry.name.endswith(".kv"):
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue  # removed by another instance meanwhile
-                blocks.append((st.st_mtime_ns, st.st_size, entry.path))
+        for entry in self._block_files():
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue  # removed by another instance meanwhile
+            blocks.append((st.st_mtime_ns, st.st_size, entry.path))
         total = sum(size for _, size, _ in blocks)
         for _, size, path in sorted(blocks):
             if total <= self.capacity_bytes:
@@ -105,5 +107,5 @@ class KVStore:
             total -= size
 
     def nbytes(self) -> int:
-        return sum(e.stat().st_size for e in os.scandir(self.directory) if e.name.startswith(self.prefix) and e.name.endswith(".kv"))
+        return sum(e.stat().st_size for e in self._block_files())
 
