@@ -104,18 +104,20 @@ def model_load(key: str, model: str) -> Load | None:
     return Load(sum(x.in_flight for x in loads), sum(x.free_blocks for x in loads), max(x.updated for x in loads))
 
 
+def load_score(key: str, model: str, dispatched: dict[str, int]) -> tuple[bool, int, int]:
+    """(an instance is known dead, sequences in flight, -free KV blocks) of `model`. `dispatched` counts
+    requests this orchestrator sent and still streams, which covers the time before the board shows them."""
+    published = entries(key, model)  # read once: liveness and load come from the same files
+    live = [e.load for e in published if e.fresh and e.process_alive]
+    dead = any(e.load.pid and not e.process_alive for e in published)
+    in_flight = max(sum(x.in_flight for x in live), dispatched.get(model, 0))
+    return dead, in_flight, -sum(x.free_blocks for x in live)
+
+
 def least_loaded(key: str, models: list[str], dispatched: dict[str, int]) -> str:
     """A model none of whose instances is known dead, if there is one; among those, fewest sequences in
-    flight first, then most free KV blocks. `dispatched` counts requests this orchestrator sent and still
-    streams, which covers the time before the board shows them."""
-    def score(model: str) -> tuple[bool, int, int]:
-        published = entries(key, model)  # read once: liveness and load come from the same files
-        live = [e.load for e in published if e.fresh and e.process_alive]
-        dead = any(e.load.pid and not e.process_alive for e in published)
-        in_flight = max(sum(x.in_flight for x in live), dispatched.get(model, 0))
-        return dead, in_flight, -sum(x.free_blocks for x in live)
-
-    return min(models, key=score)
+    flight first, then most free KV blocks (`load_score`)."""
+    return min(models, key=lambda model: load_score(key, model, dispatched))
 
 
 def _restarts_path(key: str) -> Path:

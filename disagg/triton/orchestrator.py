@@ -413,8 +413,11 @@ class TritonPythonModel:
     def _pick(self, models: list[str]) -> str:
         """The least loaded of `models` (one per engine instance); counted as dispatched until `_done`."""
         with self._lock:
-            model = load_board.least_loaded(self.board_key, models, self.dispatched)
-            self.dispatched[model] = self.dispatched.get(model, 0) + 1
+            return self._dispatch(load_board.least_loaded(self.board_key, models, self.dispatched))
+
+    def _dispatch(self, model: str) -> str:
+        """Counts `model` as dispatched (until `_done`); the caller holds `_lock`."""
+        self.dispatched[model] = self.dispatched.get(model, 0) + 1
         return model
 
     def _pick_prefill(self, prompt: np.ndarray) -> str:
@@ -422,31 +425,32 @@ class TritonPythonModel:
         would have the least to do, counting the prompt blocks it must compute (those past the longest
         prefix it holds cached, disagg.triton.kv_index) plus a whole prompt for each request it already has
         in flight, as Dynamo's KV router weighs overlap against load."""
-        if self.prefill_routing == "random" or len(self.prefills) == 1:
-            model = self.rng.choice(self.prefills)
-        elif self.prefill_routing == "cache_aware":
-            model = self._cache_aware(prompt)
-        else:
-            return self._pick(self.prefills)
-        with self._lock:
-            self.dispatched[model] = self.dispatched.get(model, 0) + 1
-        return model
-
-    def _cache_aware(self, prompt: np.ndarray) -> str:
-        costs = {}
-        for model in self.prefills:
-            tpb, held = self.kv_index.held(model)
-            hashes = block_hashes(prompt[:-1].tolist(), tpb) if tpb else []
-            matched = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
-            published = [e for e in load_board.entries(self.board_key, model) if e.fresh]
-            if any(e.load.pid and not e.process_alive for e in published):
-                continue  # known dead
+        if self.prefill_routing == "cache_aware" and len(self.prefills) > 1:
+            costs = self._cache_aware_costs(prompt)
+            if costs:  # else every instance is known dead: the least loaded, which `_hop` then refuses by name
+                with self._lock:
+                    return self._dispatch(min(costs, key=costs.get))
+        elif self.prefill_routing == "random":
             with self._lock:
-                in_flight = max(sum(e.load.in_flight for e in published), self.dispatched.get(model, 0))
+                return self._dispatch(self.rng.choice(self.prefills))
+        return self._pick(self.prefills)
+
+    def _cache_aware_costs(self, prompt: np.ndarray) -> dict[str, int]:
+        """{prefill model not known dead: prompt blocks to compute there + a whole prompt per request in flight}."""
+        costs, hashes_of = {}, {}  # hashes per block size: instances usually share one
+        for model in self.prefills:
+            with self._lock:
+                dead, in_flight, _ = load_board.load_score(self.board_key, model, self.dispatched)
+            if dead:
+                continue
+            tpb, held = self.kv_index.held(model)
+            if tpb not in hashes_of:
+                hashes_of[tpb] = block_hashes(prompt[:-1].tolist(), tpb) if tpb else []
+            hashes = hashes_of[tpb]
+            matched = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
             blocks = max(1, len(hashes))
             costs[model] = (blocks - matched) + in_flight * blocks
-        # every instance known dead: the least loaded one, which `_hop` then refuses by name
-        return min(costs, key=costs.get) if costs else load_board.least_loaded(self.board_key, self.prefills, self.dispatched)
+        return costs
 
     def _done(self, model: str) -> None:
         with self._lock:
