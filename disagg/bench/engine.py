@@ -65,7 +65,7 @@ def bench_model(root: Path, preset: str, prompt_len: int, decode_steps: int, bat
     model = engine.model
     layer_bytes = sum(a.nbytes for stage in model.shards for rank in stage for layer in rank for a in vars(layer).values() if a is not None)
     weight_bytes = layer_bytes + model.lm_head_t.nbytes + model.final_norm.nbytes  # embedding: one row per token, negligible
-    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    kv_per_token = cfg.kv_bytes_per_token
     rng = np.random.default_rng(0)
 
     def prompt() -> tuple[int, ...]:

@@ -27,6 +27,11 @@ class LlamaConfig:
     attention_bias: bool
     mlp_bias: bool
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over every layer, in the reference engine's float32."""
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * 4
+
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
         arch = hf.get("architectures") or ["LlamaForCausalLM"]
