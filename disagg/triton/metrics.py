@@ -8,11 +8,14 @@ Every series carries `role` and `instance` labels, so a user sees which side is 
     disagg_engine_restarts                                gauge: reloads after an instance died (watchdog)
 The families are kept on the object: a Metric dies with its MetricFamily. Updates hold STUB_LOCK:
 concurrent calls into the stub from many request threads crash Triton 2.51's python backend (a
-segfault in libtriton_python.so, seen with 8+ concurrent orchestrated streams).
+segfault in libtriton_python.so, seen with 8+ concurrent orchestrated streams). Each update is an IPC
+round trip to the server; the orchestrator's go through an `Updater`, so none is on a request's path.
 """
 from __future__ import annotations
 
+import queue
 import threading
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -38,12 +41,67 @@ class _Serialized:
         with STUB_LOCK:
             self._metric.observe(value)
 
+
+class Updater:
+    """Applies metric updates from a thread of its own, `period_s` after the first of a batch: a request
+    thread only queues them, and a gauge set many times within a batch is sent once (its last value)."""
+
+    def __init__(self, period_s: float = 0.05):
+        self.period_s = period_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="metrics-updater", daemon=True)
+        self._thread.start()
+
+    def put(self, metric, op: str, value: float) -> None:
+        self._queue.put((metric, op, value))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            time.sleep(self.period_s)  # let the request that queued it move on first: a stub call holds the GIL
+            batch = [item]
+            while not self._queue.empty():
+                batch.append(self._queue.get())
+            gauges = {}
+            with STUB_LOCK:
+                for update in batch:
+                    if update is None:
+                        return
+                    metric, op, value = update
+                    if op == "set":
+                        gauges[id(metric)] = (metric, value)
+                    else:
+                        getattr(metric, op)(value)
+                for metric, value in gauges.values():
+                    metric.set(value)
+
+
+class _Queued:
+    """A pb_utils Metric whose updates an `Updater` applies."""
+
+    def __init__(self, metric, updater: Updater):
+        self._metric, self._updater = metric, updater
+
+    def set(self, value: float) -> None:
+        self._updater.put(self._metric, "set", value)
+
+    def increment(self, value: float) -> None:
+        self._updater.put(self._metric, "increment", value)
+
+    def observe(self, value: float) -> None:
+        self._updater.put(self._metric, "observe", value)
+
+
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
 class Metrics:
-    def __init__(self, role: str, instance: str):
+    def __init__(self, role: str, instance: str, updater: Updater | None = None):
         self.labels = {"role": role, "instance": instance}
+        self.updater = updater
         self._families: dict[str, object] = {}
         self._metrics: dict[str, object] = {}
 
@@ -51,7 +109,8 @@ class Metrics:
         if name not in self._metrics:
             family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
             self._families[name] = family
-            self._metrics[name] = _Serialized(family.Metric(labels=self.labels, **kwargs))
+            metric = family.Metric(labels=self.labels, **kwargs)
+            self._metrics[name] = _Serialized(metric) if self.updater is None else _Queued(metric, self.updater)
         return self._metrics[name]
 
     def gauge(self, name: str, description: str):

@@ -46,8 +46,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
 
 from disagg.engine.kv_cache import block_hashes
 from disagg.triton import cancel_board, credential, kv_index, load_board
@@ -55,7 +53,8 @@ from disagg.triton.contract import (
     CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
     rename_inputs,
 )
-from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics
+from disagg.triton.engine_stream import EngineServer, EngineStream, infer_request
+from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics, Updater
 from disagg.triton.paths import model_param, repository_root
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -67,6 +66,7 @@ DRAIN_WAIT_S = 10.0  # how long a drain waits for a dead decode to be reloaded (
 # Inputs the orchestrator reads for itself, not forwarded: the client's `stream`, and `exclude_input_in_output`
 # (engines always stream to the orchestrator, so the prompt is put before a non-streamed answer here).
 OWN_INPUTS = ("streaming", "exclude_input_in_output")
+READ_INPUTS = frozenset((*FORWARDED_INPUTS, *OWN_INPUTS))
 
 
 class HopError(RuntimeError):
@@ -90,102 +90,61 @@ def _scalar(value, dtype) -> np.ndarray:
     return np.asarray([[value]], dtype=dtype)
 
 
-class ClientPool:
-    """Idle gRPC clients per URL. A hop takes one whose channel is already connected (a new client costs
-    about 0.5 ms to set up) and gives it back once its stream has ended cleanly."""
-
-    def __init__(self):
-        self._idle: dict[str, list[grpcclient.InferenceServerClient]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, url: str) -> grpcclient.InferenceServerClient:
-        with self._lock:
-            idle = self._idle.get(url)
-            if idle:
-                return idle.pop()
-        return grpcclient.InferenceServerClient(url)
-
-    def give(self, url: str, client: grpcclient.InferenceServerClient) -> None:
-        with self._lock:
-            self._idle.setdefault(url, []).append(client)
-
-    def close(self) -> None:
-        with self._lock:
-            clients = [c for idle in self._idle.values() for c in idle]
-            self._idle.clear()
-        for client in clients:
-            client.close()
-
-
 class Hop:
-    """One call to an engine model over a gRPC stream of its own, results handed over through a queue
-    so the caller can time out and notice cancellation while the engine works.
+    """One call to an engine model, its responses handed over through a queue so the caller can time out
+    and notice cancellation while the engine works.
 
     Engines are reached through Triton's gRPC endpoint rather than BLS: in Triton 2.51 concurrent
     decoupled BLS streams corrupt the python backend's heap (seen as `malloc(): unaligned fastbin
-    chunk detected` and stub segfaults), while plain client streams are a well-trodden path. Closing
-    a hop with `cancel=True` cancels the engine request, which frees its KV.
+    chunk detected` and stub segfaults), while client streams are a well-trodden path. The call goes over
+    the engine server's shared stream (disagg.triton.engine_stream), or over a stream of its own
+    (`own_stream`) for a `stop`, which reuses the id of the request it stops.
 
     `pids`: the processes of the model's instances when the hop began (from the load board). If one of
     them dies, the hop fails at the next check, naming it, instead of waiting out its timeout: Triton
     never answers a request whose stub was killed."""
 
-    def __init__(self, clients: ClientPool, url: str, model: str, inputs: dict[str, np.ndarray], request_id: str,
-                 request_type: str, key: str, pids: dict[int, str] | None = None):
-        self.model = model
+    def __init__(self, stream: EngineStream, model: str, inputs: dict[str, np.ndarray], request_id: str,
+                 request_type: str, key: str, pids: dict[int, str] | None = None, own_stream: bool = False):
+        self.model, self.request_id = model, request_id
         self.pids = pids or {}
         self.results_queue: queue.Queue = queue.Queue()
-        self.clients, self.url = clients, url
-        self.client = clients.take(url)
-        self.client.start_stream(callback=self._on_response)
-        tensors = []
-        for name, array in inputs.items():
-            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-        self.client.async_stream_infer(
-            model, tensors, request_id=request_id, parameters={"request_type": request_type, credential.PARAMETER: key},
-            outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS_READ], enable_empty_final_response=True,
-        )
-
-    def _on_response(self, result, error) -> None:
-        if error is not None:
-            message = error.message() if hasattr(error, "message") else str(error)
-            self.results_queue.put(HopError(f"{self.model}: {message}"))
-            self.results_queue.put(_DONE)
-            return
-        ids, params = result.as_numpy("output_ids"), result.as_numpy("context_phase_params")
-        if ids is not None or params is not None:
-            tokens = [] if ids is None else ids.reshape(-1).tolist()
-            self.results_queue.put((tokens, params))
-        if result.get_response().parameters["triton_final_response"].bool_param:
-            self.results_queue.put(_DONE)
-
-    def close(self, cancel: bool = False) -> None:
+        self.stream, self.own_stream = stream, own_stream
+        request = infer_request(model, request_id, inputs, {"request_type": request_type, credential.PARAMETER: key}, OUTPUTS_READ)
         try:
-            self.client.stop_stream(cancel_requests=cancel)
-        except Exception:
-            self.client.close()
-            raise
-        if cancel:
-            self.client.close()
+            stream.send(request, self._on_response)
+        except ConnectionError as exc:
+            raise HopError(f"{model}: {exc}") from None
+
+    def _on_response(self, result, error: str | None, final: bool) -> None:
+        if error is not None:
+            self.results_queue.put(HopError(f"{self.model}: {error}"))
         else:
-            self.clients.give(self.url, self.client)
+            ids, params = result.as_numpy("output_ids"), result.as_numpy("context_phase_params")
+            if ids is not None or params is not None:
+                self.results_queue.put(([] if ids is None else ids.reshape(-1).tolist(), params))
+        if final:
+            self.results_queue.put(_DONE)
+
+    def close(self) -> None:
+        """Stops listening: after the final response, or when the engine will not give one."""
+        self.stream.forget(self.request_id, self._on_response)
+        if self.own_stream:
+            self.stream.close()
 
     def end(self, timeout_s: float) -> None:
         """Closes a hop cut short (cancelled, failed) once the engine has ended its request, which the
-        `stop` sent after it makes happen at once. Only when that does not come within `timeout_s`, or an
-        instance died, is the stream cancelled: gRPC stream cancellations are what crashed Triton 2.51
-        servers under load (README, Known problems), so the orchestrator avoids making them."""
+        `stop` sent after it makes happen at once; gives up after `timeout_s`, or at once when an instance
+        died. Nothing is cancelled over gRPC: a shared stream cannot cancel one request, and cancelled
+        streams are what crashed Triton 2.51 servers under load (README, Known problems)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and all(load_board.pid_alive(pid) for pid in self.pids):
             try:
                 if self.results_queue.get(timeout=CANCEL_CHECK_S) is _DONE:
-                    self.close()
-                    return
+                    break
             except queue.Empty:
                 pass
-        self.close(cancel=True)
+        self.close()
 
     def results(self, timeout_s: float, cancelled):
         """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms."""
@@ -272,6 +231,7 @@ class TritonPythonModel:
             self.decoders = model_param(args, "generation_model_name").split(",")
             self.engines = [*self.prefills, *self.decoders]
         self.board_key = load_board.board_key(repository_root(args))
+        self.board = load_board.BoardView(self.board_key)
         self.internal_key = credential.internal_key(self.board_key)
         self.instance = args["model_instance_name"]
         cancel_board.remove_leftovers(self.board_key, self.instance)
@@ -288,8 +248,8 @@ class TritonPythonModel:
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
         self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
         self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
-        self.clients = ClientPool()
-        self.metrics = Metrics(f"orchestrator-{self.mode}", self.instance)
+        self.servers: dict[str, EngineServer] = {}  # by URL
+        self.metrics = Metrics(f"orchestrator-{self.mode}", self.instance, Updater())
         self.ttft = self.metrics.histogram("disagg_ttft_seconds", "Request arrival at the orchestrator -> first token sent", TTFT_BUCKETS)
         self.in_flight = self.metrics.gauge("disagg_orchestrator_in_flight", "Requests the orchestrator is serving")
         self.failures = self.metrics.counter("disagg_orchestrator_failures_total", "Requests ended by an error or timeout")
@@ -305,9 +265,7 @@ class TritonPythonModel:
     def _accept(self, requests) -> None:
         for request in requests:
             # Inputs are copied here: a request's tensors are released once execute returns.
-            tensors = {n: pb_utils.get_input_tensor_by_name(request, n) for n in (*FORWARDED_INPUTS, *OWN_INPUTS)}
-            arrays = {n: t.as_numpy().copy() for n, t in tensors.items() if t is not None}
-            del tensors
+            arrays = {t.name(): t.as_numpy().copy() for t in request.inputs() if t.name() in READ_INPUTS}
             self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
 
     def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
@@ -413,7 +371,7 @@ class TritonPythonModel:
     def _pick(self, models: list[str]) -> str:
         """The least loaded of `models` (one per engine instance); counted as dispatched until `_done`."""
         with self._lock:
-            return self._dispatch(load_board.least_loaded(self.board_key, models, self.dispatched))
+            return self._dispatch(load_board.least_loaded(self.board, models, self.dispatched))
 
     def _dispatch(self, model: str) -> str:
         """Counts `model` as dispatched (until `_done`); the caller holds `_lock`."""
@@ -440,7 +398,7 @@ class TritonPythonModel:
         costs, hashes_of = {}, {}  # hashes per block size: instances usually share one
         for model in self.prefills:
             with self._lock:
-                dead, in_flight, _ = load_board.load_score(self.board_key, model, self.dispatched)
+                dead, in_flight, _ = load_board.load_score(self.board, model, self.dispatched)
             if dead:
                 continue
             tpb, held = self.kv_index.held(model)
@@ -492,26 +450,34 @@ class TritonPythonModel:
         }
         for model in models:
             def send_stop(m=model):
-                with self._hop(m, stop, request_id, "context_and_generation") as hop:
+                with self._hop(m, stop, request_id, "context_and_generation", own_stream=True) as hop:
                     list(hop.results(STOP_TIMEOUT_S, lambda: False))
 
             self._quietly(send_stop)
 
     @contextlib.contextmanager
-    def _hop(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str):
+    def _hop(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str, own_stream: bool = False):
         pids = self._check_live([model])
-        hop = Hop(self.clients, self.engine_urls[model], model, inputs, request_id, request_type, self.internal_key, pids)
+        server = self._server(self.engine_urls[model])
+        stream = server.open() if own_stream else server.shared()
+        hop = Hop(stream, model, inputs, request_id, request_type, self.internal_key, pids, own_stream)
         try:
             yield hop
         except BaseException:
-            self.closer.submit(hop.end, STOP_TIMEOUT_S)  # the engine may never finish the stream (timeout, hung engine)
+            self.closer.submit(hop.end, STOP_TIMEOUT_S)  # the engine may never finish the request (timeout, hung engine)
             raise
-        self.closer.submit(hop.close)  # closing a stream takes ~1 ms: not on the request's path
+        hop.close()
+
+    def _server(self, url: str) -> EngineServer:
+        with self._lock:
+            if url not in self.servers:
+                self.servers[url] = EngineServer(url)
+            return self.servers[url]
 
     def _check_live(self, models: list[str]) -> dict[int, str]:
         """The live instances' pids of `models` (as published); HopError when instances published and every
         one has died: Triton would hold a request for a dead stub for seconds before refusing it."""
-        published = [e for m in models for e in load_board.entries(self.board_key, m)]
+        published = [e for m in models for e in self.board.entries(m)]
         pids = {e.load.pid: e.instance for e in published if e.process_alive}
         if published and not pids:
             dead = ", ".join(f"{e.instance} (pid {e.load.pid})" for e in published)
@@ -534,4 +500,6 @@ class TritonPythonModel:
         cancel_board.remove_leftovers(self.board_key, self.instance)  # of requests cut short by the stop
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.closer.shutdown(wait=False)
-        self.clients.close()
+        self.metrics.updater.close()
+        for server in self.servers.values():
+            server.close()

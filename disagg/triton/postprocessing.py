@@ -50,19 +50,21 @@ class TritonPythonModel:
         self.board_key = load_board.board_key(repository_root(args))
 
     def _respond(self, pb_utils, request):
+        inputs = {t.name(): t for t in request.inputs()}  # pb_utils.get_input_tensor_by_name lists them per call
+
         def optional(name: str, default) -> list:  # [batch, 1] -> one value per row
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            tensor = inputs.get(name)
             return [default] * len(tokens) if tensor is None else tensor.as_numpy().reshape(-1).tolist()
 
-        tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS_BATCH").as_numpy()  # [batch, beams, T]
-        lengths = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()  # [batch, beams]
+        tokens = inputs["TOKENS_BATCH"].as_numpy()  # [batch, beams, T]
+        lengths = inputs["SEQUENCE_LENGTH"].as_numpy()  # [batch, beams]
         prefix_lens, finals = optional("PREFIX_LENGTH", None), optional("IS_FINAL", False)
         stream_ids = [sid for sid in optional("STREAM_ID", b"") if sid]  # b"": no check asked for this time
         if stream_ids and request.is_cancelled():
             for stream_id in stream_ids:
                 cancel_board.raise_flag(self.board_key, stream_id.decode())
         texts = [self.post.texts(t, n, p, f) for t, n, p, f in zip(tokens, lengths, prefix_lens, finals)]
-        counts = [[int(n.sum()) - (p or 0) * len(n)] for n, p in zip(lengths, prefix_lens)]
+        counts = [[sum(n.tolist()) - (p or 0) * len(n)] for n, p in zip(lengths, prefix_lens)]
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("OUTPUT", np.array(texts, dtype=object)),
             pb_utils.Tensor("NUM_OUTPUT_TOKENS", np.array(counts, dtype=np.uint32)),

@@ -227,9 +227,9 @@ def parse_bool(key: str, value: str) -> bool:
     raise ValueError(f"preprocessing: parameter {key}={value!r} is not a boolean (true/false)")
 
 
-def _one(pb_utils, request, name: str, field: str):
+def _one(inputs: dict, name: str, field: str):
     """The single value of input `name` (shape [1, 1]: batch of one) as a Python scalar, None if not sent."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    tensor = inputs.get(name)
     if tensor is None:
         return None
     values = tensor.as_numpy().reshape(-1)
@@ -238,9 +238,9 @@ def _one(pb_utils, request, name: str, field: str):
     return values[0] if values.dtype == object else values[0].item()
 
 
-def _words(pb_utils, request, name: str) -> list[bytes] | None:
+def _words(inputs: dict, name: str) -> list[bytes] | None:
     """The strings of a [1, n] STRING input (stop_words, bad_words), None if not sent."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    tensor = inputs.get(name)
     return None if tensor is None else [bytes(w) for w in tensor.as_numpy().reshape(-1)]
 
 
@@ -265,18 +265,19 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"preprocessing: {note}")
 
     def _respond(self, pb_utils, request):
-        options = {field: _one(pb_utils, request, tensor, field) for field, (tensor, _, _) in ONLY_DEFAULT.items()}
-        options.update({field: _words(pb_utils, request, tensor) for field, tensor in WORD_LISTS.items()})
+        inputs = {t.name(): t for t in request.inputs()}  # pb_utils.get_input_tensor_by_name lists them per call
+        options = {field: _one(inputs, tensor, field) for field, (tensor, _, _) in ONLY_DEFAULT.items()}
+        options.update({field: _words(inputs, tensor) for field, tensor in WORD_LISTS.items()})
         p = self.pre.prepare(
-            _one(pb_utils, request, "QUERY", "text_input"),
-            _one(pb_utils, request, "REQUEST_OUTPUT_LEN", "max_tokens"),
-            _one(pb_utils, request, "END_ID", "end_id"),
-            _one(pb_utils, request, "PAD_ID", "pad_id"),
-            min_tokens=_one(pb_utils, request, "MIN_TOKENS", "min_tokens"),
-            min_length=_one(pb_utils, request, "MIN_LENGTH", "min_length"),
-            seed=_one(pb_utils, request, "SEED", "seed"),
-            random_seed=_one(pb_utils, request, "RANDOM_SEED", "random_seed"),
-            length_penalty=_one(pb_utils, request, "LENGTH_PENALTY", "length_penalty"),
+            _one(inputs, "QUERY", "text_input"),
+            _one(inputs, "REQUEST_OUTPUT_LEN", "max_tokens"),
+            _one(inputs, "END_ID", "end_id"),
+            _one(inputs, "PAD_ID", "pad_id"),
+            min_tokens=_one(inputs, "MIN_TOKENS", "min_tokens"),
+            min_length=_one(inputs, "MIN_LENGTH", "min_length"),
+            seed=_one(inputs, "SEED", "seed"),
+            random_seed=_one(inputs, "RANDOM_SEED", "random_seed"),
+            length_penalty=_one(inputs, "LENGTH_PENALTY", "length_penalty"),
             **options,
         )
         return pb_utils.InferenceResponse(output_tensors=[
