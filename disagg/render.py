@@ -66,6 +66,7 @@ def _entry_models(spec: DeploymentSpec) -> list[Model]:
         "prefill_timeout_s": o.prefill_timeout_s,
         "decode_timeout_s": o.decode_timeout_s,
         "prefill_routing": o.prefill_routing,
+        "coalesce_backlog": o.coalesce_backlog,
         "max_in_flight": o.max_in_flight,
         "engine_urls": engine_urls(spec),
         # inputs the engines' release reads under older names ("seed=random_seed" on TensorRT-LLM 0.17/0.18)

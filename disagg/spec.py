@@ -116,6 +116,7 @@ SCHEMA = {
                 "prefill_timeout_s": {"type": "number", "exclusiveMinimum": 0},
                 "decode_timeout_s": {"type": "number", "exclusiveMinimum": 0},
                 "prefill_routing": {"enum": list(PREFILL_ROUTING)},
+                "coalesce_backlog": {"type": "integer", "minimum": 0},
             },
         },
         "output": {
@@ -200,6 +201,10 @@ class OrchestratorSpec:
     # Which prefill instance a request goes to: where its prefix is cached weighed against load (falls
     # back to load alone without enable_kv_cache_reuse), the least loaded, or at random (a baseline).
     prefill_routing: str = "cache_aware"
+    # Engine responses waiting behind a request's worker (its client takes them slower than the engine
+    # makes them) before the waiting tokens go out as one response; 0: never, one token per response as
+    # the tensorrtllm backend streams (clients such as perf_analyzer count responses).
+    coalesce_backlog: int = 0
 
 
 @dataclass(frozen=True)

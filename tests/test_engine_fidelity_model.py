@@ -4,17 +4,15 @@ context_phase_params or are an error, and `stop` requests. Runs the model in-pro
 `triton_python_backend_utils` (Triton's Python stub), real engines and a real transfer agent."""
 from __future__ import annotations
 
-import importlib
 import json
 import queue
-import sys
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
 from engine_helpers import EngineFactory
+from stub_helpers import FINAL, Tensor, imported_with_stub
 
 from disagg.engine.engine import ContextPhase, Request
 from disagg.engine.loop import EngineLoop
@@ -24,39 +22,7 @@ from disagg.transfer.params import ContextPhaseParams
 from disagg.triton.credential import PARAMETER
 from disagg.triton.tensors import EngineCall
 
-FINAL = 1
 PROMPT = tuple(range(3, 43))
-
-
-class Tensor:
-    def __init__(self, name, array):
-        self._name, self._array = name, np.asarray(array)
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-
-class Response:
-    def __init__(self, output_tensors=None, error=None):
-        self.outputs = {t.name(): t.as_numpy() for t in output_tensors or []}
-        self.error = error
-
-
-class Error:
-    def __init__(self, message):
-        self._message = message
-
-    def message(self):
-        return self._message
-
-
-PB_UTILS = types.ModuleType("triton_python_backend_utils")
-PB_UTILS.Tensor, PB_UTILS.InferenceResponse, PB_UTILS.TritonError = Tensor, Response, Error
-PB_UTILS.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
-PB_UTILS.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
 
 
 class Sender:
@@ -113,14 +79,8 @@ def stop(request_id):
 @pytest.fixture(scope="module")
 def engine_model():
     """disagg.triton.engine_model imported against the stand-in stub; removed again afterwards."""
-    names = ("disagg.triton.engine_model", "disagg.triton.metrics")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "triton_python_backend_utils", PB_UTILS)
-        for name in names:
-            mp.delitem(sys.modules, name, raising=False)
-        yield importlib.import_module("disagg.triton.engine_model")
-        for name in names:
-            sys.modules.pop(name, None)
+    with imported_with_stub("disagg.triton.engine_model") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")

@@ -47,3 +47,13 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     for r in rows:
         assert r.errors == 0 and r.completed > 0 and r.tokens_per_s > 0, r
         assert 0 < r.ttft_ms < 1000 and r.gap_ms > 0, r
+    # CPU per token is attributed to the processes that spent it: the ensemble's front models only on the
+    # paths that go through them.
+    by = {r.path: r.cpu_ms_per_token for r in rows}
+    for path in PATHS:
+        assert by[path]["tritonserver"] > 0 and by[path]["client"] > 0, by[path]
+    assert by["ensemble"]["stub disagg_orchestrator"] > 0.05 and by["ensemble"]["stub postprocessing"] > 0.05, by["ensemble"]
+    assert by["ensemble"]["stub decode"] > 0.01
+    assert by["prefill + decode"]["stub disagg_orchestrator"] < 0.2 * by["ensemble"]["stub disagg_orchestrator"], by
+    assert by["prefill + decode"]["stub postprocessing"] < 0.2 * by["ensemble"]["stub postprocessing"], by
+    assert by["aggregated"]["stub aggregated_orchestrator"] > 0.05 and by["aggregated"]["stub aggregated_engine"] > 0.01, by["aggregated"]

@@ -60,6 +60,7 @@ def test_default_spec_is_valid():
         ("roles.decode.devices", [[0], [1]], "roles.decode.devices", "2 device lists for instances=1"),
         ("roles.prefill.kv_store_mb", 64, "roles.prefill.kv_store_mb", "a prefix store needs enable_kv_cache_reuse: true on the role"),
         ("roles.prefill.kv_store_disk_mb", 64, "roles.prefill.kv_store_disk_mb", "a disk tier goes below the host-memory store: set kv_store_mb too"),
+        ("orchestrator.coalesce_backlog", -1, "orchestrator.coalesce_backlog", "-1 is less than the minimum of 0"),
     ],
 )
 def test_bad_spec_names_key_and_reason(tmp_path, path, value, key, reason):

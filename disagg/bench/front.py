@@ -15,7 +15,9 @@ the engines' own cost does not compete with the front for this machine's cores.
 
 Printed per row: output tokens/s (tokens received in the window / window), TTFT p50, and p50 over requests
 of their mean gap between token responses; then ensemble vs direct at one stream (TTFT and per-token cost
-added) and at each level (tokens/s ratio). The engines' own ceiling is printed beside it: the decode
+added) and at each level (tokens/s ratio), and where the CPU goes: CPU ms per output token of each
+process (tritonserver, each model's Python stub, this client) over the window of the highest level,
+which is what limits the front on a machine whose cores it saturates. The engines' own ceiling is printed beside it: the decode
 tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64.
 
 One client drives every path the same way (one gRPC stream, requests told apart by id) and shares the
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 import tritonclient.grpc as grpcclient
 import yaml
 
@@ -47,9 +50,9 @@ PROMPT = "It was the best of times, it was the worst of times, it was the age of
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
 
 
-def front_spec(config: Path, out: Path, max_streams: int):
-    """`config` (cpu-tiny) with room for `max_streams` sequences in every engine and orchestrator, built
-    into <out>/."""
+def front_spec(config: Path, out: Path, max_streams: int, coalesce_backlog: int = 0):
+    """`config` (cpu-tiny) with room for `max_streams` sequences in every engine and orchestrator, and the
+    orchestrators' `coalesce_backlog`, built into <out>/."""
     from disagg.spec import load_spec
 
     raw = yaml.safe_load(config.read_text())
@@ -58,6 +61,7 @@ def front_spec(config: Path, out: Path, max_streams: int):
         role["max_num_tokens"] = max(role["max_num_tokens"], 2 * max_streams)
         role["kv_cache_blocks"] = max(role["kv_cache_blocks"], 8 * max_streams)
     raw["orchestrator"]["max_in_flight"] = max(raw["orchestrator"]["max_in_flight"], 2 * max_streams)
+    raw["orchestrator"]["coalesce_backlog"] = coalesce_backlog
     raw["output"] = {"build_dir": str(out), "model_repository": str(out / "model_repository")}
     out.mkdir(parents=True, exist_ok=True)
     path = out / "spec.yaml"
@@ -102,14 +106,37 @@ class Level:
     gap_ms: float
     completed: int
     errors: int
+    cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # by process, over the window
+
+
+def cpu_seconds(server_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by the server, each of its Python-backend stubs (named by model) and this process."""
+    server = psutil.Process(server_pid)
+    used = {}
+    for process, name in [(server, "tritonserver"), (psutil.Process(), "client"),
+                          *((child, _stub_model(child)) for child in server.children(recursive=True))]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        used[name] = used.get(name, 0.0) + times.user + times.system
+    return used
+
+
+def _stub_model(process: psutil.Process) -> str:
+    """A stub's model: its command line names <repository>/<model>/<version>/model.py."""
+    try:
+        return "stub " + Path(process.cmdline()[1]).parts[-3]
+    except (psutil.Error, IndexError):
+        return "other"
 
 
 class Driver:
     """Keeps N requests of one path in flight on one gRPC stream for a window; the response callback does
     the bookkeeping and sends each next request (and, direct, each decode after its prefill)."""
 
-    def __init__(self, url: str, internal_key: str, ids: list[int], max_tokens: int):
-        self.ids, self.max_tokens = ids, max_tokens
+    def __init__(self, url: str, internal_key: str, ids: list[int], max_tokens: int, server_pid: int):
+        self.ids, self.max_tokens, self.server_pid = ids, max_tokens, server_pid
         self.credential = {PARAMETER: internal_key}
         self.client = grpcclient.InferenceServerClient(url)
         self.client.start_stream(callback=self._on_response)
@@ -131,13 +158,18 @@ class Driver:
         with self._lock:
             self._reset(path, start + seconds)
             self.window = (start, start + seconds)
+            before = cpu_seconds(self.server_pid)
             for _ in range(streams):
                 self._send_new(start)
+        time.sleep(max(0.0, start + seconds - time.perf_counter()))
+        after = cpu_seconds(self.server_pid)
         with self._lock:
-            if not self._idle.wait_for(lambda: not self.flights, timeout=seconds + DRAIN_S):
+            if not self._idle.wait_for(lambda: not self.flights, timeout=DRAIN_S):
                 raise RuntimeError(f"{path} x{streams}: {len(self.flights)} requests unfinished {DRAIN_S:.0f} s after the window")
         med = (lambda xs: float(np.median(xs)) * 1e3 if xs else float("nan"))
-        return Level(path, streams, self.tokens_in_window / seconds, med(self.ttfts), med(self.gaps), len(self.ttfts), self.errors)
+        tokens = max(1, self.tokens_in_window)
+        cpu = {name: (after[name] - before.get(name, 0.0)) * 1e3 / tokens for name in after}
+        return Level(path, streams, self.tokens_in_window / seconds, med(self.ttfts), med(self.gaps), len(self.ttfts), self.errors, cpu)
 
     def close(self) -> None:
         self.client.stop_stream()
@@ -229,17 +261,18 @@ def skipped_compute(step_ms: float) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0) -> list[Level]:
+def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
+            coalesce_backlog: int = 0) -> list[Level]:
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
 
-    spec = front_spec(config, out, max(levels))
+    spec = front_spec(config, out, max(levels), coalesce_backlog)
     build(spec, log=lambda _msg: None)
     ids = encode_prompt(load_tokenizer(spec.model.path), PROMPT)
     rows = []
     with skipped_compute(step_ms), TritonServer(spec.model_repository, log_path=out / "server.log") as server:
-        driver = Driver(server.grpc_url, server.internal_key, ids, max_tokens)
+        driver = Driver(server.grpc_url, server.internal_key, ids, max_tokens, server.process.pid)
         try:
             for path in PATHS:
                 driver.run(path, 4, 1.0)  # warm-up: connections, first-call imports
@@ -271,6 +304,11 @@ def summary(rows: list[Level], ceiling: dict[int, float]) -> list[str]:
         ratios = [f"{s}: {by[(front, s)].tokens_per_s / by[(direct, s)].tokens_per_s:.2f}"
                   for s in sorted({r.streams for r in rows}) if (front, s) in by and (direct, s) in by]
         lines.append(f"  {front} / {direct} tokens/s by streams: " + ", ".join(ratios))
+    top = max(r.streams for r in rows)
+    lines.append(f"  CPU ms per output token by process, {top} streams (2+ cores busy means the machine, not the engine, is the limit):")
+    for r in (r for r in rows if r.streams == top):
+        shares = sorted(((ms, name) for name, ms in r.cpu_ms_per_token.items() if ms >= 0.005), reverse=True)
+        lines.append(f"    {r.path:<18} total {sum(ms for ms, _ in shares):.2f}: " + ", ".join(f"{name} {ms:.2f}" for ms, name in shares))
     peak_front = max((r.tokens_per_s for r in rows if r.path == "ensemble"), default=0.0)
     peak_engine = max(ceiling.values(), default=0.0)
     if peak_engine:
@@ -288,13 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="each engine step takes this long without using the CPU, as on a GPU (default 0: as fast as it goes)")
+    p.add_argument("--coalesce-backlog", type=int, default=0,
+                   help="the orchestrators' coalesce_backlog (default 0: one token per response, as the spec's default)")
     args = p.parse_args(argv)
     levels = tuple(int(x) for x in args.levels.split(","))
     step = f"{args.step_ms:g} ms per engine step" if args.step_ms else "engine steps as fast as they go"
+    if args.coalesce_backlog:
+        step += f"; orchestrators coalesce once {args.coalesce_backlog} responses wait"
     print(f"front cost with engine compute skipped ({step}; {args.max_tokens} tokens per request, {args.seconds:g} s per row; "
           "ms: TTFT p50, p50 of each request's mean gap between token responses)")
     print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'requests':>10}{'errors':>8}")
-    rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms)
+    rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog)
     ceiling = engine_ceiling(Path("build"), [16, 64])
     for line in summary(rows, ceiling):
         print(line)

@@ -61,6 +61,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
 _DONE = object()
 CANCEL_CHECK_S = 0.05
+# A client that calls an orchestrator itself (not through an ensemble) cancels on its response sender; asking
+# is an IPC round trip, so it is asked less often than the cancel flag is looked at.
+SENDER_CHECK_S = 0.25
 STOP_TIMEOUT_S = 5.0  # for a `stop` or a drain: cleanup, never on a client's path
 DRAIN_WAIT_S = 10.0  # how long a drain waits for a dead decode to be reloaded (else the lease reclaims)
 # Inputs the orchestrator reads for itself, not forwarded: the client's `stream`, and `exclude_input_in_output`
@@ -105,10 +108,11 @@ class Hop:
     never answers a request whose stub was killed."""
 
     def __init__(self, stream: EngineStream, model: str, inputs: dict[str, np.ndarray], request_id: str,
-                 request_type: str, key: str, pids: dict[int, str] | None = None, own_stream: bool = False):
+                 request_type: str, key: str, liveness: load_board.Liveness, pids: dict[int, str] | None = None,
+                 own_stream: bool = False):
         self.model, self.request_id = model, request_id
-        self.pids = pids or {}
-        self.results_queue: queue.Queue = queue.Queue()
+        self.liveness, self.pids = liveness, pids or {}
+        self.results_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.stream, self.own_stream = stream, own_stream
         request = infer_request(model, request_id, inputs, {"request_type": request_type, credential.PARAMETER: key}, OUTPUTS_READ)
         try:
@@ -138,7 +142,7 @@ class Hop:
         died. Nothing is cancelled over gRPC: a shared stream cannot cancel one request, and cancelled
         streams are what crashed Triton 2.51 servers under load (README, Known problems)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and all(load_board.pid_alive(pid) for pid in self.pids):
+        while time.monotonic() < deadline and all(self.liveness.alive(pid) for pid in self.pids):
             try:
                 if self.results_queue.get(timeout=CANCEL_CHECK_S) is _DONE:
                     break
@@ -146,22 +150,31 @@ class Hop:
                 pass
         self.close()
 
-    def results(self, timeout_s: float, cancelled):
-        """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms."""
+    def results(self, timeout_s: float, cancelled, coalesce_backlog: int = 0):
+        """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms.
+        With `coalesce_backlog`, once that many responses wait behind the caller, all waiting ones are yielded
+        together (their tokens in order, the last params): a consumer that has fallen behind gets fewer,
+        fuller responses instead of falling further behind, while one that keeps up gets them one by one."""
         deadline = time.monotonic() + timeout_s
         check = cancel_board.Throttle(CANCEL_CHECK_S, due_now=False)
+        held = None  # the end or an error found while coalescing: handled after the tokens before it
         while True:
-            try:
-                item = self.results_queue.get(timeout=CANCEL_CHECK_S)
-            except queue.Empty:
-                item = None
+            if held is not None:
+                item, held = held, None
+            else:
+                try:
+                    item = self.results_queue.get(timeout=CANCEL_CHECK_S)
+                except queue.Empty:
+                    item = None
+            if coalesce_backlog and isinstance(item, tuple) and self.results_queue.qsize() >= coalesce_backlog:
+                item, held = self._coalesce(item)
             now = time.monotonic()
             if check.due():  # every CANCEL_CHECK_S, tokens or not
                 with STUB_LOCK:
                     is_cancelled = cancelled()
                 if is_cancelled:
                     raise Cancelled()
-                dead = [f"{instance} (pid {pid})" for pid, instance in self.pids.items() if not load_board.pid_alive(pid)]
+                dead = [f"{instance} (pid {pid})" for pid, instance in self.pids.items() if not self.liveness.alive(pid)]
                 if dead:
                     raise HopError(f"{self.model}: engine instance {', '.join(dead)} died while serving this request")
             if item is None:
@@ -174,6 +187,20 @@ class Hop:
                 raise item
             deadline = now + timeout_s
             yield item
+
+    def _coalesce(self, first: tuple[list[int], np.ndarray | None]):
+        """`first` merged with the token responses already waiting; returns it and the item that stopped
+        the merge (the end, an error) or None."""
+        tokens, params = first
+        while True:
+            try:
+                item = self.results_queue.get_nowait()
+            except queue.Empty:
+                return (tokens, params), None
+            if not isinstance(item, tuple):
+                return (tokens, params), item
+            tokens = tokens + item[0]
+            params = item[1] if item[1] is not None else params
 
 
 class ClientStream:
@@ -232,6 +259,7 @@ class TritonPythonModel:
             self.engines = [*self.prefills, *self.decoders]
         self.board_key = load_board.board_key(repository_root(args))
         self.board = load_board.BoardView(self.board_key)
+        self.liveness = load_board.Liveness()
         self.internal_key = credential.internal_key(self.board_key)
         self.instance = args["model_instance_name"]
         cancel_board.remove_leftovers(self.board_key, self.instance)
@@ -242,6 +270,7 @@ class TritonPythonModel:
         self.input_names = parse_input_names(model_param(args, "engine_input_names"))
         self.dispatched: dict[str, int] = {}
         self.prefill_routing = model_param(args, "prefill_routing")
+        self.coalesce_backlog = int(model_param(args, "coalesce_backlog"))
         self.kv_index = kv_index.IndexReader(self.board_key)
         self.rng = random.Random(0)
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
@@ -284,8 +313,10 @@ class TritonPythonModel:
         inputs = {**rename_inputs(arrays, self.input_names), "streaming": _scalar(True, np.bool_)}
         reached = Reached()
 
+        sender_check = cancel_board.Throttle(SENDER_CHECK_S, due_now=False)
+
         def cancelled() -> bool:
-            return flag.is_raised() or sender.is_cancelled()
+            return flag.is_raised() or (sender_check.due() and sender.is_cancelled())
 
         completed = False
         try:
@@ -353,7 +384,7 @@ class TritonPythonModel:
                 # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds
                 # it; the reference engine does the same): the client already has it.
                 skip = 1
-                for ids, _ in hop.results(self.decode_timeout_s, cancelled):
+                for ids, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
                     reached.handoff = None  # decode answers once it has the KV
                     client.emit(ids[skip:])
                     skip = max(0, skip - len(ids))
@@ -363,7 +394,7 @@ class TritonPythonModel:
     def _context_and_generation(self, model: str, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled, arrival: float) -> None:
         """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one."""
         with self._hop(model, inputs, request_id, "context_and_generation") as hop:
-            for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, cancelled)):
+            for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog)):
                 if n == 0:
                     self.ttft.observe(time.monotonic() - arrival)
                 client.emit(tokens)
@@ -460,7 +491,7 @@ class TritonPythonModel:
         pids = self._check_live([model])
         server = self._server(self.engine_urls[model])
         stream = server.open() if own_stream else server.shared()
-        hop = Hop(stream, model, inputs, request_id, request_type, self.internal_key, pids, own_stream)
+        hop = Hop(stream, model, inputs, request_id, request_type, self.internal_key, self.liveness, pids, own_stream)
         try:
             yield hop
         except BaseException:

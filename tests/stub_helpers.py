@@ -1,0 +1,56 @@
+"""A stand-in for `triton_python_backend_utils` (Triton's Python stub), for model code run in-process."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+FINAL = 1
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class Response:
+    def __init__(self, output_tensors=None, error=None):
+        self.outputs = {t.name(): t.as_numpy() for t in output_tensors or []}
+        self.error = error
+
+
+class Error:
+    def __init__(self, message):
+        self._message = message
+
+    def message(self):
+        return self._message
+
+
+PB_UTILS = types.ModuleType("triton_python_backend_utils")
+PB_UTILS.Tensor, PB_UTILS.InferenceResponse, PB_UTILS.TritonError = Tensor, Response, Error
+PB_UTILS.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+PB_UTILS.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
+
+
+@contextlib.contextmanager
+def imported_with_stub(module: str):
+    """`module` (and disagg.triton.metrics, which it imports) imported against PB_UTILS; removed afterwards."""
+    names = (module, "disagg.triton.metrics")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "triton_python_backend_utils", PB_UTILS)
+        for name in names:
+            mp.delitem(sys.modules, name, raising=False)
+        yield importlib.import_module(module)
+        for name in names:
+            sys.modules.pop(name, None)
