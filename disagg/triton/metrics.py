@@ -61,22 +61,25 @@ class Updater:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            time.sleep(self.period_s)  # let the request that queued it move on first: a stub call holds the GIL
+            time.sleep(self.period_s)  # off the path of the request that queued it, and a batch gathers
             batch = [item]
             while not self._queue.empty():
                 batch.append(self._queue.get())
-            gauges = {}
-            with STUB_LOCK:
-                for update in batch:
-                    if update is None:
-                        return
-                    metric, op, value = update
-                    if op == "set":
-                        gauges[id(metric)] = (metric, value)
-                    else:
-                        getattr(metric, op)(value)
-                for metric, value in gauges.values():
-                    metric.set(value)
+            self._apply([update for update in batch if update is not None])
+            if None in batch:  # closed
+                return
+
+    @staticmethod
+    def _apply(batch: list) -> None:
+        gauges = {}
+        with STUB_LOCK:
+            for metric, op, value in batch:
+                if op == "set":
+                    gauges[id(metric)] = (metric, value)
+                else:
+                    getattr(metric, op)(value)
+            for metric, value in gauges.values():
+                metric.set(value)
 
 
 class _Queued:
