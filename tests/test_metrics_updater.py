@@ -31,7 +31,7 @@ class Recording:
 def test_a_batch_sends_each_gauge_once_and_every_count_and_observation(metrics):
     calls: list = []
     updater = metrics.Updater(period_s=0.2)
-    gauge, counter, histogram = (metrics._Queued(Recording(calls, n), updater) for n in ("gauge", "counter", "ttft"))
+    gauge, counter, histogram = (metrics._Metric(Recording(calls, n), updater) for n in ("gauge", "counter", "ttft"))
     for value in (1, 2, 3):
         gauge.set(value)
     counter.increment(1)

@@ -38,13 +38,18 @@ class KVStore:
         """Whether a block of `size` tokens with that hash is stored, in this tier or below."""
         return self._path(size, block_hash).is_file() or (self.below is not None and self.below.contains(size, block_hash))
 
+    def _key(self, name: str) -> tuple[int, int]:
+        """(block size, hash) of a block file's name, as `_path` writes it."""
+        size, block_hash = name[len(self.prefix) + 1 : -len(".kv")].split("-")
+        return int(size), int(block_hash, 16)
+
     def _block_files(self):
         """This tier's block files (os.DirEntry), not the temporaries being written."""
         return (e for e in os.scandir(self.directory) if e.name.startswith(self.prefix) and e.name.endswith(".kv"))
 
     def sizes(self) -> set[int]:
         """The block sizes blocks are stored in (publishers may differ in tokens_per_block)."""
-        found = {int(e.name[len(self.prefix) + 1 :].split("-", 1)[0]) for e in self._block_files()}
+        found = {self._key(e.name)[0] for e in self._block_files()}
         return found | (self.below.sizes() if self.below is not None else set())
 
     def get(self, size: int, block_hash: int) -> SequenceKV | None:
@@ -91,15 +96,14 @@ class KVStore:
                 st = entry.stat()
             except FileNotFoundError:
                 continue  # removed by another instance meanwhile
-            blocks.append((st.st_mtime_ns, st.st_size, entry.path))
-        total = sum(size for _, size, _ in blocks)
-        for _, size, path in sorted(blocks):
+            blocks.append((st.st_mtime_ns, st.st_size, entry.path, entry.name))
+        total = sum(size for _, size, _, _ in blocks)
+        for _, size, path, name in sorted(blocks):
             if total <= self.capacity_bytes:
                 break
             try:
                 if self.below is not None:
-                    block_size, block_hash = Path(path).stem.removeprefix(f"{self.prefix}t").split("-")
-                    self.below._write(int(block_size), int(block_hash, 16), Path(path).read_bytes())
+                    self.below._write(*self._key(name), Path(path).read_bytes())
                 os.unlink(path)
                 self.evicted += 1
             except FileNotFoundError:

@@ -148,7 +148,7 @@ class BoardView:
     so a read that old tells about as much as a fresh one (the orchestrator's own dispatch counts cover
     what it sent since), and the orchestrator asks several times per request (liveness of both roles,
     the least loaded instance of each): a board read with its /proc checks took ~0.6 ms here. A hop
-    watches its instances' processes itself (`pid_alive`), so a death is still noticed within 50 ms."""
+    watches its instances' processes itself (`Liveness`), so a death is still noticed within 0.1 s."""
 
     def __init__(self, key: str, max_age_s: float = 0.1):
         self.key, self.max_age_s = key, max_age_s

@@ -23,25 +23,6 @@ import triton_python_backend_utils as pb_utils
 STUB_LOCK = threading.RLock()
 
 
-class _Serialized:
-    """A pb_utils Metric whose updates go through the process-wide lock."""
-
-    def __init__(self, metric):
-        self._metric = metric
-
-    def set(self, value: float) -> None:
-        with STUB_LOCK:
-            self._metric.set(value)
-
-    def increment(self, value: float) -> None:
-        with STUB_LOCK:
-            self._metric.increment(value)
-
-    def observe(self, value: float) -> None:
-        with STUB_LOCK:
-            self._metric.observe(value)
-
-
 class Updater:
     """Applies metric updates from a thread of its own, `period_s` after the first of a batch: a request
     thread only queues them, and a gauge set many times within a batch is sent once (its last value)."""
@@ -82,20 +63,27 @@ class Updater:
                 metric.set(value)
 
 
-class _Queued:
-    """A pb_utils Metric whose updates an `Updater` applies."""
+class _Metric:
+    """A pb_utils Metric whose updates hold the process-wide lock: applied at once, or queued to an `Updater`."""
 
-    def __init__(self, metric, updater: Updater):
+    def __init__(self, metric, updater: Updater | None = None):
         self._metric, self._updater = metric, updater
 
+    def _update(self, op: str, value: float) -> None:
+        if self._updater is not None:
+            self._updater.put(self._metric, op, value)
+        else:
+            with STUB_LOCK:
+                getattr(self._metric, op)(value)
+
     def set(self, value: float) -> None:
-        self._updater.put(self._metric, "set", value)
+        self._update("set", value)
 
     def increment(self, value: float) -> None:
-        self._updater.put(self._metric, "increment", value)
+        self._update("increment", value)
 
     def observe(self, value: float) -> None:
-        self._updater.put(self._metric, "observe", value)
+        self._update("observe", value)
 
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
@@ -112,8 +100,7 @@ class Metrics:
         if name not in self._metrics:
             family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
             self._families[name] = family
-            metric = family.Metric(labels=self.labels, **kwargs)
-            self._metrics[name] = _Serialized(metric) if self.updater is None else _Queued(metric, self.updater)
+            self._metrics[name] = _Metric(family.Metric(labels=self.labels, **kwargs), self.updater)
         return self._metrics[name]
 
     def gauge(self, name: str, description: str):
