@@ -227,3 +227,25 @@ def test_one_server_or_a_model_control_mode_of_ones_own_keeps_everything_in_one_
     assert one.engines == {} and "--load-model=*" in one.main.server.extra_args and one.main.server.sweeps_deployment
     own = _deployment(repo, "--model-control-mode=explicit", "--load-model=ensemble")
     assert own.engines == {} and [a for a in own.main.server.extra_args if "load-model" in a] == ["--load-model=ensemble"]
+
+
+def test_config_auto_completion_is_off_unless_the_user_brings_models_that_may_need_it(cpu_tiny_project, tmp_path):
+    repo = cpu_tiny_project / "model_repository"
+    ours = _deployment(repo)
+    assert not any(s.server.auto_complete for s in ours.supervised)
+    strict = _deployment(repo, "--strict-model-config=false")
+    assert strict.main.server.auto_complete and not any(s.server.auto_complete for s in strict.engines.values())
+    (tmp_path / "theirs").mkdir()
+    assert _deployment(repo, "--model-repository", str(tmp_path / "theirs")).main.server.auto_complete
+
+
+def test_the_server_command_turns_config_auto_completion_off_unless_asked(tmp_path):
+    from disagg.serve.server import ServerInstall
+
+    def command(**kw):
+        server = TritonServer(tmp_path, http_port=1, grpc_port=2, metrics_port=3, **kw)
+        server.install = ServerInstall(Path("tritonserver"), None, {}, "test")
+        return server.command()
+
+    assert "--disable-auto-complete-config" in command()
+    assert "--disable-auto-complete-config" not in command(auto_complete=True)

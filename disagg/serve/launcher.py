@@ -16,7 +16,10 @@ aborts the server that runs it, and that must not take the ensembles and every o
 it. The orchestrators reach the engine servers through $DISAGG_ENGINE_URLS. Every server runs with
 `--model-control-mode=explicit`, so that a watchdog (disagg.serve.watchdog) can reload an engine model
 whose instance died; `--one-server` runs everything in one server instead. Each server's output is
-printed prefixed with `[main]` or `[<engine model>]`.
+printed prefixed with `[main]` or `[<engine model>]`. Config auto-completion is off
+(`--disable-auto-complete-config`: the rendered configs are complete, and with it on each model load
+starts one Python stub more), except in a main server given more repositories than the first or a
+`--strict-model-config` flag.
 
 Once every model is loaded it starts the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/ready` + `/live` for probes, and `/metrics` with every server's metrics; disagg/openai)
@@ -95,14 +98,17 @@ class Servers:
         chooses_address = any(a.split("=")[0] in ("--http-address", "--grpc-address", "--metrics-address") for a in passthrough)
         self.controlled = _flag_value(passthrough, "--model-control-mode") is None  # else the user steers the models
         isolate = self.controlled and not args.one_server and not more
+        # The user's models may rely on config auto-completion; ours do not (TritonServer's auto_complete).
+        user_configs = bool(more) or _flag_value(passthrough, "--strict-model-config") is not None
         engines = [e.name for e in engine_models(self.repository)] if isolate else []
 
-        def server(label: str, ports: tuple[int | None, ...], load: list[str], env: dict[str, str], address: str | None, extra: list[str]):
+        def server(label: str, ports: tuple[int | None, ...], load: list[str], env: dict[str, str], address: str | None, extra: list[str],
+                   auto_complete: bool = False):
             return lambda: TritonServer(
                 first, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2], address=address,
                 extra_args=[*extra, *(["--model-control-mode=explicit", *(f"--load-model={m}" for m in load)] if self.controlled else [])],
                 exit_timeout_s=args.exit_timeout_secs, backend_dir=args.backend_directory, env=env, sweeps_deployment=not isolate,
-                label=label,
+                label=label, auto_complete=auto_complete,
             )
 
         self.engines: dict[str, Supervised] = {}
@@ -114,6 +120,7 @@ class Servers:
         self.main = Supervised("tritonserver", server(
             "main", (args.http_port, args.grpc_port, args.metrics_port), front_models, {ENGINE_URLS_ENV: urls} if urls else {},
             None if chooses_address else "127.0.0.1", [*(f"--model-repository={r}" for r in more), *passthrough],
+            user_configs,
         ), signalled)
         self.isolated = isolate
 
