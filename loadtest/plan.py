@@ -6,6 +6,10 @@
 
 1. Builds `--config` and profiles each role's engine on this machine (timed steps, one BLAS thread, as
    the load tests serve; disagg.planner.profile), cached in <build_dir>/planner-profile.json per engine.
+   Then measures what the rest of a deployment costs per output token on this machine's CPU (servers,
+   Python models, the engines' bookkeeping, the client: `python -m disagg.bench front`'s driver with the
+   engines' compute skipped, through `ensemble` and `aggregated`), since here it shares the cores with the
+   engines (disagg.planner.simulate.Host). `--no-host` leaves it out, as for engines on GPUs.
 2. Simulates every prefill:decode split of `--instances` (and decode batch limits up to the engine's)
    and the all-aggregated deployment under the workload (disagg.planner.simulate); prints each one's
    goodput (highest rate with >= 90% of requests within both SLOs) per instance and its predicted p50
@@ -16,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -27,8 +32,9 @@ import numpy as np
 from disagg.cli import build
 from disagg.engine.config import EngineConfig
 from disagg.planner.plan import Planner, Traffic, predict
+from disagg.planner import profile as profile_module
 from disagg.planner.profile import StepModel, profile_engine
-from disagg.planner.simulate import Deployment, EngineLimits
+from disagg.planner.simulate import Deployment, EngineLimits, Host
 from disagg.spec import DeploymentSpec
 from loadtest.compare import THREAD_ENV, compare_spec
 from loadtest.workload import Workload, load_workload
@@ -42,19 +48,37 @@ def traffic_of(workload: Workload, rate: float | None = None, prompt_tokens: int
 
 
 def profiles(spec: DeploymentSpec) -> dict[str, StepModel]:
-    """Each role's StepModel, profiled once per built engine (keyed by its config.json's mtime)."""
+    """Each role's StepModel, profiled once per built engine and way of profiling (keyed by the engine's
+    config.json's mtime and the profiler's source)."""
     cache_path = spec.build_dir / "planner-profile.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    profiler = hashlib.sha256(Path(profile_module.__file__).read_bytes()).hexdigest()[:12]
     out = {}
     for role in spec.roles:
         engine = spec.engine_dir(role)
-        key = f"{engine.resolve()}@{(engine / 'config.json').stat().st_mtime_ns}"
+        key = f"{engine.resolve()}@{(engine / 'config.json').stat().st_mtime_ns}#{profiler}"
         if key not in cache:
             print(f"plan: profiling the {role} engine ({engine})", flush=True)
             cache[key] = asdict(profile_engine(engine))
         out[role] = StepModel.from_dict(cache[key])
     cache_path.write_text(json.dumps(cache, indent=2))
     return out
+
+
+FRONT_STREAMS = 4  # as many as the workloads' rates keep in flight here
+FRONT_STEP_MS = 20.0  # an engine step as long as a decode step of bench-100mb here, without its CPU
+FRONT_SECONDS = 5.0
+
+
+def hosts(spec_path: Path, out: Path) -> dict[str, Host]:
+    """Each kind of deployment on this machine's cores, with its front's CPU per output token."""
+    from disagg.bench.front import measure
+
+    print(f"plan: measuring the front's CPU per output token ({FRONT_STREAMS} streams, engines skipping compute)", flush=True)
+    rows = measure(spec_path, out, (FRONT_STREAMS,), FRONT_SECONDS, 64, FRONT_STEP_MS, paths=("ensemble", "aggregated"))
+    cores = len(os.sched_getaffinity(0))
+    per_token = {r.path: sum(r.cpu_ms_per_token.values()) / 1e3 for r in rows}
+    return {"disaggregated": Host(cores, per_token["ensemble"]), "aggregated": Host(cores, per_token["aggregated"])}
 
 
 def limits_of(spec: DeploymentSpec) -> dict[str, EngineLimits]:
@@ -136,13 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, help="expected requests/s (default: the workload's)")
     p.add_argument("--check", type=Path, nargs="*", default=[], help="crossover.json files to compare predictions with")
     p.add_argument("--out", type=Path, default=Path("results/plan"), help="where the equal-budget spec is written")
+    p.add_argument("--no-host", action="store_true", help="simulate the engines alone: no front, no shared cores (as on GPUs)")
     a = p.parse_args(argv)
     os.environ.update(THREAD_ENV)
     workload = load_workload(a.workload)
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))
-    planner = Planner(profiles(spec), limits_of(spec), handoff(spec))
+    shared = {} if a.no_host else hosts(a.out / "spec.yaml", a.out / "front")
+    planner = Planner(profiles(spec), limits_of(spec), handoff(spec), shared)
+    for kind, host in shared.items():
+        print(f"plan: {kind}: {host.cores:g} cores shared by the engines and a front costing {host.front_s_per_token * 1e3:.2f} ms "
+              "of CPU per output token")
     for role, model in planner.steps.items():
         d, q = model.decode, model.prompt
         print(f"plan: {role} steps: decode {d.base_s * 1e3:.2f} ms + {d.per_token_s * 1e6:.0f} us/sequence + "

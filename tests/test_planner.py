@@ -5,7 +5,7 @@ import pytest
 
 from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner.profile import Linear, StepModel, fit, profile_engine
-from disagg.planner.simulate import Deployment, EngineLimits, SimRequest, simulate
+from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
 
 MS = 1e-3
 FLAT = StepModel(Linear(1 * MS, 0.0, 0.0), Linear(1 * MS, 0.0, 0.0), 0.0)  # every step 1 ms
@@ -60,6 +60,35 @@ def test_a_prompt_over_the_budget_waits_without_chunked_context():
     a, b = SimRequest(0.0, 80, 2), SimRequest(0.0, 80, 2)
     simulate(Deployment(prefill=1, decode=1), steps, limits, [a, b], lambda n: 0.0)
     assert (a.token_times[0], b.token_times[0]) == pytest.approx((1 * MS, 2 * MS))  # one whole prompt per step
+
+
+def test_on_a_shared_core_the_front_and_the_engine_take_turns():
+    limits = {"aggregated": EngineLimits(max_batch_size=4, max_num_tokens=32, chunked=True, tokens_per_block=16)}
+    req = SimRequest(0.0, prompt=16, output=3)
+    simulate(Deployment(aggregated=1), {"aggregated": FLAT}, limits, [req], lambda n: 0.0, Host(cores=1, front_s_per_token=0.5 * MS))
+    # step 1 alone (1 ms); then its token's front work (0.5 ms) and step 2 share the core at half speed
+    # each: the token reaches the client at 2 ms, step 2 ends at 2.5 ms; again for step 3 (3.5, 4.0); the
+    # last token's front work runs alone: 4.5 ms.
+    assert req.token_times == pytest.approx([2 * MS, 3.5 * MS, 4.5 * MS])
+
+
+def test_engines_off_the_cpu_leave_the_front_its_cores():
+    limits = {"aggregated": EngineLimits(max_batch_size=4, max_num_tokens=32, chunked=True, tokens_per_block=16)}
+    req = SimRequest(0.0, prompt=16, output=3)
+    simulate(Deployment(aggregated=1), {"aggregated": FLAT}, limits, [req], lambda n: 0.0,
+             Host(cores=2, front_s_per_token=0.5 * MS, engines_on_cpu=False))
+    assert req.token_times == pytest.approx([1.25 * MS, 2.25 * MS, 3.25 * MS])  # 0.5 ms of CPU over 2 cores
+
+
+def test_a_busy_front_delivers_every_request_s_tokens_in_order():
+    limits = {"prefill": EngineLimits(4, 512, False, 16), "decode": EngineLimits(8, 64, True, 16)}
+    reqs = [SimRequest(i * 0.3 * MS, 32 + 16 * i, 20) for i in range(6)]
+    simulate(Deployment(prefill=1, decode=1), {"prefill": FLAT, "decode": FLAT}, limits, reqs, lambda n: 0.0,
+             Host(cores=1, front_s_per_token=0.4 * MS))
+    for r in reqs:
+        assert len(r.token_times) == 20 and r.token_times == sorted(r.token_times)
+    # 120 tokens x 0.4 ms of front work on one core, beside the steps: the last token no earlier than 48 ms
+    assert max(r.token_times[-1] for r in reqs) >= 48 * MS
 
 
 def _planner() -> Planner:

@@ -262,7 +262,7 @@ def skipped_compute(step_ms: float) -> Iterator[None]:
 
 
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
-            coalesce_backlog: int = 0) -> list[Level]:
+            coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS) -> list[Level]:
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
@@ -274,10 +274,10 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
     with skipped_compute(step_ms), TritonServer(spec.model_repository, log_path=out / "server.log") as server:
         driver = Driver(server.grpc_url, server.internal_key, ids, max_tokens, server.process.pid)
         try:
-            for path in PATHS:
+            for path in paths:
                 driver.run(path, 4, 1.0)  # warm-up: connections, first-call imports
             for streams in levels:
-                for path in PATHS:
+                for path in paths:
                     rows.append(driver.run(path, streams, seconds))
                     r = rows[-1]
                     print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.completed:>10}{r.errors:>8}", flush=True)

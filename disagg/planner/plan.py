@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from disagg.planner.profile import StepModel
-from disagg.planner.simulate import Deployment, EngineLimits, SimRequest, poisson_requests, simulate
+from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, poisson_requests, simulate
 
 ATTAINMENT_TARGET = 0.9
 SIMULATED_REQUESTS = 300
@@ -74,15 +74,20 @@ class Option:
 
 
 class Planner:
-    def __init__(self, steps: dict[str, StepModel], limits: dict[str, EngineLimits], handoff_s: Callable[[int], float]):
-        self.steps, self.limits, self.handoff_s = steps, limits, handoff_s
+    """`hosts`: the CPU each kind of deployment ("aggregated", "disaggregated") runs on, with its front's cost
+    per token (None: engines alone, no front)."""
+
+    def __init__(self, steps: dict[str, StepModel], limits: dict[str, EngineLimits], handoff_s: Callable[[int], float],
+                 hosts: dict[str, Host] | None = None):
+        self.steps, self.limits, self.handoff_s, self.hosts = steps, limits, handoff_s, hosts or {}
 
     def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None,
             count: int = SIMULATED_REQUESTS) -> list[SimRequest]:
         limits = self.limits
         if decode_batch is not None:
             limits = {**limits, "decode": replace(limits["decode"], max_batch_size=decode_batch)}
-        return simulate(deployment, self.steps, limits, traffic.requests(rate, count), self.handoff_s)
+        return simulate(deployment, self.steps, limits, traffic.requests(rate, count), self.handoff_s,
+                        self.hosts.get(deployment.kind))
 
     def goodput(self, deployment: Deployment, traffic: Traffic, decode_batch: int | None = None) -> float:
         def meets(rate: float) -> bool:

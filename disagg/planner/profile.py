@@ -97,7 +97,18 @@ def _profile(engine: LLMEngine, name: str, progress: bool) -> StepModel:
     engine.generate([Request("warm", prompt(lengths[0]), 2)])
     decode: list[Sample] = []
     prompted: list[Sample] = []
-    work = [("prompt", n) for n in lengths] + [("decode", (bs, c)) for bs in batches for c in contexts if bs * c <= b.kv_cache_blocks * b.tokens_per_block]
+
+    def new_tokens(batch: int, context: int) -> int:
+        """Enough to be still generating once the batch's last prompt is in (twice the steps its prompts
+        take at the smallest chunk, the budget left beside the batch's decodes): a sequence that ended
+        early would leave a smaller batch."""
+        chunk = max(b.tokens_per_block, (b.max_num_tokens - batch) // b.tokens_per_block * b.tokens_per_block)
+        chunks = -(-context // chunk) if b.enable_chunked_context else 1
+        return max(6, min(b.max_seq_len - context, 2 * batch * chunks + 6))
+
+    room = b.kv_cache_blocks * b.tokens_per_block
+    work = [("prompt", n) for n in lengths] + [
+        ("decode", (bs, c)) for bs in batches for c in contexts if bs * (c + new_tokens(bs, c) + b.tokens_per_block) <= room]
     for i, (kind, arg) in enumerate(tqdm(work, desc=f"profile {name}", disable=not progress, leave=False)):
         if kind == "prompt":
             engine.add_request(Request(f"p{i}", prompt(arg), 1))
@@ -112,12 +123,16 @@ def _profile(engine: LLMEngine, name: str, progress: bool) -> StepModel:
             continue
         batch, context = arg
         for j in range(batch):
-            engine.add_request(Request(f"d{i}-{j}", prompt(context), 6))
+            engine.add_request(Request(f"d{i}-{j}", prompt(context), new_tokens(batch, context)))
         while engine.waiting or any(s.num_generated == 0 for s in engine.running.values()):
             engine.step()  # their prompts
         for _ in range(4):
+            running = list(engine.running.values())  # the batch as it is, should KV room have cut it short
+            if not running:
+                break
             t = time.perf_counter()
             engine.step()
-            decode.append((batch, batch * (context + 2), time.perf_counter() - t))
-        _steps(engine)
+            decode.append((len(running), sum(len(s.tokens) for s in running), time.perf_counter() - t))
+        for seq in list(engine.running.values()):
+            engine.abort(seq.req_id)  # the rest of their tokens would time nothing new
     return fit(decode, prompted)

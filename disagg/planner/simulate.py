@@ -6,9 +6,15 @@ served while the batch has a slot and the step has token budget (`max_num_tokens
 context a prompt that does not fit is cut to what fits, rounded down to `tokens_per_block`. The step
 lasts StepModel.step_s of what it computes. Disaggregated: a prompt's first token comes out of a
 context-only engine (the least loaded prefill instance), its KV crosses in `handoff_s(tokens)`, and the
-least loaded decode instance generates the rest. Aggregated: one engine does both. Not modelled: the
-KV pool's capacity (a sequence is admitted whatever its blocks), the front end's own CPU (tokenizing,
-streaming), and network hops.
+least loaded decode instance generates the rest. Aggregated: one engine does both.
+
+With a `Host`, the CPU is shared. Every token then passes through the front (tokenizing, orchestrating,
+detokenizing, streaming, the load generator) at `front_s_per_token` of CPU before its client sees it, in
+order, and engines that compute on the CPU (the reference engine) run their steps on the same cores: the
+runnable work shares them as Linux shares cores between runnable threads (each step one thread, the front
+up to `FRONT_THREADS`). Without one, engines have the machine to themselves and tokens arrive as their
+step ends, as on GPUs with a host whose cores are not the limit. Not modelled: the KV pool's capacity (a
+sequence is admitted whatever its blocks) and network hops.
 """
 from __future__ import annotations
 
@@ -28,6 +34,19 @@ class EngineLimits:
     max_num_tokens: int
     chunked: bool
     tokens_per_block: int
+
+
+FRONT_THREADS = 4.0  # the processes a token crosses: orchestrator, main tritonserver, postprocessing, client
+
+
+@dataclass(frozen=True)
+class Host:
+    """The CPU a deployment runs on: its `cores`, the front's CPU per output token, and whether the engines'
+    steps run on those cores too (the reference engine) or on accelerators."""
+
+    cores: float
+    front_s_per_token: float
+    engines_on_cpu: bool = True
 
 
 @dataclass
@@ -52,6 +71,7 @@ class _Seq:
     req: SimRequest
     cached: int  # tokens whose KV is in this engine
     generating: bool
+    generated: int = 0  # tokens computed (a client may see them later, through the front)
 
 
 class SimEngine:
@@ -70,8 +90,8 @@ class SimEngine:
         return len(self.waiting) + len(self.running)
 
     def add(self, req: SimRequest) -> None:
-        cached = req.prompt if self.role == "generation_only" else 0
-        self.waiting.append(_Seq(req, cached, generating=self.role == "generation_only"))
+        generating = self.role == "generation_only"
+        self.waiting.append(_Seq(req, req.prompt if generating else 0, generating, generated=int(generating)))
 
     def start_step(self) -> float | None:
         """Plans the next step; its duration, or None when there is nothing to do."""
@@ -98,33 +118,34 @@ class SimEngine:
         if not decoding and not self._chunks:
             return None
         new = len(decoding) + sum(size for _, size in self._chunks)
-        attended = sum(s.req.prompt + len(s.req.token_times) for s in decoding)
+        attended = sum(s.req.prompt + s.generated for s in decoding)
         attended += sum(size * (seq.cached + (size + 1) / 2) for seq, size in self._chunks)
         self._decoding = decoding
         self.busy = True
         return self.steps.step_s(new, attended, prompt_tokens=bool(self._chunks))
 
-    def finish_step(self, now: float) -> list[SimRequest]:
-        """Applies the planned step at `now`; returns the requests whose context phase ended here (to hand
-        off, for a context-only engine)."""
+    def finish_step(self) -> tuple[list[SimRequest], list[SimRequest]]:
+        """Applies the planned step: the requests that got a token, and those whose context phase ended here
+        (to hand off, for a context-only engine)."""
         self.busy = False
+        emitted = [seq.req for seq in self._decoding]
         handed = []
         for seq in self._decoding:
-            seq.req.token_times.append(now)
+            seq.generated += 1
         for seq, size in self._chunks:
             seq.cached += size
             if seq.cached == seq.req.prompt:
-                seq.req.token_times.append(now)  # the first token comes with the prompt's last chunk
-                seq.generating = True
+                emitted.append(seq.req)  # the first token comes with the prompt's last chunk
+                seq.generated, seq.generating = 1, True
                 if self.role == "context_only":
                     handed.append(seq.req)
         self.running = [s for s in self.running if not self._done(s)]
-        return handed
+        return emitted, handed
 
     def _done(self, seq: _Seq) -> bool:
         if self.role == "context_only":
             return seq.generating
-        return len(seq.req.token_times) >= seq.req.output
+        return seq.generated >= seq.req.output
 
 
 @dataclass(frozen=True)
@@ -139,19 +160,85 @@ class Deployment:
     def instances(self) -> int:
         return self.prefill + self.decode + self.aggregated
 
+    @property
+    def kind(self) -> str:
+        return "aggregated" if self.aggregated else "disaggregated"
+
     def __str__(self) -> str:
         return f"aggregated x{self.aggregated}" if self.aggregated else f"prefill x{self.prefill} + decode x{self.decode}"
 
 
+class _Cpu:
+    """Work sharing `cores`: each job runs at its fair share, at most `threads` cores (water-filling).
+    Jobs are [remaining seconds of one core, threads, on_done(now)]."""
+
+    def __init__(self, cores: float):
+        self.cores = cores
+        self.jobs: list[list] = []
+
+    def rates(self) -> list[float]:
+        order = sorted(range(len(self.jobs)), key=lambda i: self.jobs[i][1])
+        rates, left = [0.0] * len(self.jobs), self.cores
+        for k, i in enumerate(order):
+            rates[i] = min(self.jobs[i][1], left / (len(order) - k))
+            left -= rates[i]
+        return rates
+
+    def next_done(self) -> float:
+        """Seconds until the first job ends at the current shares (inf with none)."""
+        if not self.jobs:
+            return float("inf")
+        return min(job[0] / rate for job, rate in zip(self.jobs, self.rates()))
+
+    def advance(self, dt: float) -> list:
+        """Runs every job for `dt`; returns the on_done of those that ended."""
+        if not self.jobs:
+            return []
+        for job, rate in zip(self.jobs, self.rates()):
+            job[0] -= rate * dt
+        done = [job[2] for job in self.jobs if job[0] <= 1e-9]
+        self.jobs = [job for job in self.jobs if job[0] > 1e-9]
+        return done
+
+
+class _Front:
+    """Streams tokens to clients in the order they were computed, at `s_per_token` of CPU each."""
+
+    def __init__(self, cpu: _Cpu, s_per_token: float):
+        self.cpu, self.s_per_token = cpu, s_per_token
+        self.queue: deque[list[SimRequest]] = deque()
+
+    def send(self, reqs: list[SimRequest], now: float) -> None:
+        if not self.s_per_token:
+            for req in reqs:
+                req.token_times.append(now)
+            return
+        self.queue.append(reqs)
+        if len(self.queue) == 1:
+            self._start()
+
+    def _start(self) -> None:
+        self.cpu.jobs.append([self.s_per_token * len(self.queue[0]), FRONT_THREADS, self._sent])
+
+    def _sent(self, now: float) -> None:
+        for req in self.queue.popleft():
+            req.token_times.append(now)
+        if self.queue:
+            self._start()
+
+
 def simulate(deployment: Deployment, steps: dict[str, StepModel], limits: dict[str, EngineLimits],
-             requests: list[SimRequest], handoff_s: Callable[[int], float]) -> list[SimRequest]:
-    """Runs `requests` (arrival order) through the deployment; returns them with their token times."""
+             requests: list[SimRequest], handoff_s: Callable[[int], float], host: Host | None = None) -> list[SimRequest]:
+    """Runs `requests` (arrival order) through the deployment; returns them with the times their client
+    saw each token."""
     if deployment.aggregated:
         fronts = [SimEngine("context_and_generation", steps["aggregated"], limits["aggregated"]) for _ in range(deployment.aggregated)]
         backs: list[SimEngine] = []
     else:
         fronts = [SimEngine("context_only", steps["prefill"], limits["prefill"]) for _ in range(deployment.prefill)]
         backs = [SimEngine("generation_only", steps["decode"], limits["decode"]) for _ in range(deployment.decode)]
+    cpu = _Cpu(host.cores if host else float("inf"))
+    front = _Front(cpu, host.front_s_per_token if host else 0.0)
     events: list[tuple[float, int, str, object]] = []
     order = 0
 
@@ -160,28 +247,40 @@ def simulate(deployment: Deployment, steps: dict[str, StepModel], limits: dict[s
         heapq.heappush(events, (t, order, kind, what))
         order += 1
 
+    def finished(engine: SimEngine, now: float) -> None:
+        emitted, handed = engine.finish_step()
+        front.send(emitted, now)
+        for req in handed:
+            push(now + handoff_s(req.prompt), "handoff", req)
+        kick(engine, now)
+
     def kick(engine: SimEngine, now: float) -> None:
         if not engine.busy:
             duration = engine.start_step()
-            if duration is not None:
+            if duration is None:
+                return
+            if host and host.engines_on_cpu:
+                cpu.jobs.append([duration, 1.0, lambda t: finished(engine, t)])
+            else:
                 push(now + duration, "step", engine)
 
     for req in requests:
         push(req.arrival, "arrive", req)
-    while events:
-        now, _, kind, what = heapq.heappop(events)
-        if kind == "arrive":
-            engine = min(fronts, key=lambda e: e.load)
-            engine.add(what)
-            kick(engine, now)
-        elif kind == "handoff":
-            engine = min(backs, key=lambda e: e.load)
-            engine.add(what)
-            kick(engine, now)
-        else:
-            for req in what.finish_step(now):
-                push(now + handoff_s(req.prompt), "handoff", req)
-            kick(what, now)
+    now = 0.0
+    while events or cpu.jobs:
+        t = min(now + cpu.next_done(), events[0][0] if events else float("inf"))
+        done = cpu.advance(t - now)
+        now = t
+        for on_done in done:
+            on_done(now)
+        while events and events[0][0] <= now:
+            _, _, kind, what = heapq.heappop(events)
+            if kind == "step":
+                finished(what, now)
+            else:
+                engine = min(fronts if kind == "arrive" else backs, key=lambda e: e.load)
+                engine.add(what)
+                kick(engine, now)
     return requests
 
 
