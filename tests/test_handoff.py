@@ -50,6 +50,14 @@ class Prefill:
 PROMPT = tuple(range(3, 43))
 
 
+def _freed(prefill: Prefill) -> bool:
+    """Whether the prefill engine frees every block within 5 s (an ack is answered before its blocks are freed)."""
+    deadline = time.monotonic() + 5
+    while prefill.loop.stats().blocks_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return prefill.loop.stats().blocks_used == 0
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("decode_tp_pp", [(1, 1), (2, 2)])
 def test_pulled_kv_continues_exactly_as_aggregated(factory, transport, decode_tp_pp):
@@ -61,7 +69,7 @@ def test_pulled_kv_continues_exactly_as_aggregated(factory, transport, decode_tp
         assert prefill.loop.stats().blocks_used == 3
         pulled = KVPuller().pull(params)
         assert pulled.nbytes == 4 * 2 * 40 * 4 * 8 * 4  # layers * k|v * tokens * kv heads * head dim * fp32
-        assert prefill.loop.stats().blocks_used == 0 and prefill.agent.num_held == 0
+        assert prefill.agent.num_held == 0 and _freed(prefill)
         decode = factory.engine(*decode_tp_pp, role="decode")
         ctx = ContextPhase(params.first_token, pulled.kv)
         assert decode.generate([Request("r1", PROMPT, 10, "generation_only", context=ctx)])["r1"] == expected
@@ -130,7 +138,7 @@ def test_direct_import_into_reserved_blocks_continues_exactly_as_aggregated(fact
         claim.kv.copy_into(decode.kv, decode.layout, blocks)
         assert prefill.loop.stats().blocks_used == 3  # held until the ack
         assert puller.ack(claim) > 0
-        assert prefill.loop.stats().blocks_used == 0
+        assert _freed(prefill)
         assert decode.finish_import("r5", copied=True)
         assert _run(decode, "r5") == expected  # the first token again, then the rest
         assert decode.blocks.num_used == 0
@@ -172,6 +180,32 @@ def test_an_ack_after_the_lease_ran_out_is_refused(factory):
             time.sleep(0.05)
         with pytest.raises(ContextParamsError, match=r"stale handoff: handoff 'r7' is not held here"):
             puller.ack(claim)
+    finally:
+        puller.close()
+        prefill.close()
+
+
+def test_an_ack_is_answered_while_the_prefill_engine_is_busy_with_a_step(factory):
+    """Freeing the blocks waits for the step in flight; the decode's request does not."""
+    prefill = Prefill(factory.engine_dir(role="prefill"))
+    puller = KVPuller(timeout_s=1.0)
+    try:
+        claim = puller.claim(prefill.context("r8", PROMPT, 4))
+        claim.contiguous()
+        used = prefill.loop.stats().blocks_used
+        step = threading.Event()
+
+        def long_step():
+            with prefill.loop._lock:  # what a step of a long prompt holds
+                step.set()
+                time.sleep(2.0)
+
+        threading.Thread(target=long_step).start()
+        step.wait(5)
+        started = time.monotonic()
+        puller.ack(claim)
+        assert time.monotonic() - started < 1.0 and prefill.agent.num_held == 0
+        assert used and _freed(prefill)  # once the step ended
     finally:
         puller.close()
         prefill.close()

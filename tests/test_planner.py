@@ -95,7 +95,7 @@ def _planner() -> Planner:
     model = StepModel(Linear(5 * MS, 0.05 * MS, 0.0), Linear(5 * MS, 0.5 * MS, 1e-7), 0.0)  # a long prompt: tens of decode steps
     limits = {"prefill": EngineLimits(2, 2048, False, 32), "decode": EngineLimits(32, 64, True, 32),
               "aggregated": EngineLimits(32, 256, True, 32)}
-    return Planner({"prefill": model, "decode": model, "aggregated": model}, limits, lambda n: 0.0)
+    return Planner({"prefill": model, "decode": model, "aggregated": model}, limits, lambda n: 0.0, requests=150)
 
 
 def test_goodput_grows_with_instances_and_options_come_best_first():

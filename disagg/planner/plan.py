@@ -75,18 +75,19 @@ class Option:
 
 class Planner:
     """`hosts`: the CPU each kind of deployment ("aggregated", "disaggregated") runs on, with its front's cost
-    per token (None: engines alone, no front)."""
+    per token (None: engines alone, no front). `requests`: how many each simulated run sends."""
 
     def __init__(self, steps: dict[str, StepModel], limits: dict[str, EngineLimits], handoff_s: Callable[[int], float],
-                 hosts: dict[str, Host] | None = None):
+                 hosts: dict[str, Host] | None = None, requests: int = SIMULATED_REQUESTS):
         self.steps, self.limits, self.handoff_s, self.hosts = steps, limits, handoff_s, hosts or {}
+        self.requests = requests
 
     def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None,
-            count: int = SIMULATED_REQUESTS) -> list[SimRequest]:
+            count: int | None = None) -> list[SimRequest]:
         limits = self.limits
         if decode_batch is not None:
             limits = {**limits, "decode": replace(limits["decode"], max_batch_size=decode_batch)}
-        return simulate(deployment, self.steps, limits, traffic.requests(rate, count), self.handoff_s,
+        return simulate(deployment, self.steps, limits, traffic.requests(rate, count or self.requests), self.handoff_s,
                         self.hosts.get(deployment.kind))
 
     def goodput(self, deployment: Deployment, traffic: Traffic, decode_batch: int | None = None) -> float:

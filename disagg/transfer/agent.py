@@ -6,7 +6,7 @@ challenge). Messages are JSON, never pickles:
 
     {"op": "claim", "id": ...}  -> the lease is extended while decode copies (shm) ...
     {"op": "fetch", "id": ...}  -> ... or the agent sends the KV wire bytes (tcp)
-    {"op": "ack",   "id": ...}  -> blocks freed
+    {"op": "ack",   "id": ...}  -> answered at once (the lease held through the copy), then blocks freed
 A handoff nobody acknowledges is reclaimed when its lease expires, so a crashed decode or an
 orchestrator that gave up never leaks prefill blocks.
 """
@@ -103,8 +103,12 @@ class TransferAgent:
                     conn.send_bytes(json.dumps({"ok": True, "nbytes": len(payload)}).encode())
                     conn.send_bytes(payload)
                 elif msg.get("op") == "ack":
-                    self.drop(req_id)
+                    # The copy is good: its lease held until now. The answer does not wait for the blocks to be
+                    # freed, which waits for the engine's step in flight (seconds for a long prompt on a CPU).
+                    with self._lock:
+                        self._leases.pop(req_id, None)
                     conn.send_bytes(b'{"ok": true}')
+                    self.loop.release(req_id)
                 else:
                     conn.send_bytes(b'{"ok": true}')
 
