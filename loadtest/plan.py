@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))
-    shared = {} if a.no_host else hosts(a.out / "spec.yaml", a.out / "front")
+    shared = {} if a.no_host else hosts(spec.source, a.out / "front")
     planner = Planner(profiles(spec), limits_of(spec), handoff(spec), shared)
     for kind, host in shared.items():
         print(f"plan: {kind}: {host.cores:g} cores shared by the engines and a front costing {host.front_s_per_token * 1e3:.2f} ms "

@@ -184,21 +184,18 @@ class _Cpu:
             left -= rates[i]
         return rates
 
-    def next_done(self) -> float:
-        """Seconds until the first job ends at the current shares (inf with none)."""
+    def run(self, now: float, until: float) -> tuple[float, list]:
+        """Runs the jobs from `now` until the first of them ends or `until`, whichever comes first (shares
+        do not change in between); returns that time and the on_done of the jobs that ended."""
         if not self.jobs:
-            return float("inf")
-        return min(job[0] / rate for job, rate in zip(self.jobs, self.rates()))
-
-    def advance(self, dt: float) -> list:
-        """Runs every job for `dt`; returns the on_done of those that ended."""
-        if not self.jobs:
-            return []
-        for job, rate in zip(self.jobs, self.rates()):
-            job[0] -= rate * dt
+            return until, []
+        rates = self.rates()
+        t = min(until, now + min(job[0] / rate for job, rate in zip(self.jobs, rates)))
+        for job, rate in zip(self.jobs, rates):
+            job[0] -= rate * (t - now)
         done = [job[2] for job in self.jobs if job[0] <= 1e-9]
         self.jobs = [job for job in self.jobs if job[0] > 1e-9]
-        return done
+        return t, done
 
 
 class _Front:
@@ -268,9 +265,7 @@ def simulate(deployment: Deployment, steps: dict[str, StepModel], limits: dict[s
         push(req.arrival, "arrive", req)
     now = 0.0
     while events or cpu.jobs:
-        t = min(now + cpu.next_done(), events[0][0] if events else float("inf"))
-        done = cpu.advance(t - now)
-        now = t
+        now, done = cpu.run(now, events[0][0] if events else float("inf"))
         for on_done in done:
             on_done(now)
         while events and events[0][0] <= now:

@@ -175,8 +175,9 @@ class TritonServer:
     rendered configs are complete and our Python models define no `auto_complete_config`, yet with it on
     the Python backend starts and ends one extra stub process per model load (python_be.cc,
     `TRITONBACKEND_ModelInitialize`), which made the CPU default start in 5 s instead of 2 and an engine
-    reload take 3 s instead of 0.7. Turn it on for repositories holding models of your own that rely on it. The server gets SIGTERM if the thread that started it dies. Use as a context manager (start, wait until ready, stop on exit)
-    or call start/wait_ready/stop.
+    reload take 3 s instead of 0.7. Turn it on for repositories holding models of your own that rely on
+    it. The server gets SIGTERM if the thread that started it dies. Use as a context manager (start,
+    wait until ready, stop on exit) or call start/wait_ready/stop.
     """
 
     def __init__(

@@ -7,8 +7,9 @@ loads that model through Triton's model-control API (the server must run with
 `--model-control-mode=explicit`; a plain reload of a loaded model is a no-op). The model is back in about
 0.7 s on the CPU default (with config auto-completion off, as disagg-serve runs it; 3 s with it on). A
 model that dies again within `STABLE_S` of its last restart waits twice as long as before (1, 2, 4 ... up
-to `MAX_BACKOFF_S`) so a crash loop does not monopolise the server. Each restart is logged and counted on the board (`load_board.count_restart`), which the engine models export
-as the metric `disagg_engine_restarts`.
+to `MAX_BACKOFF_S`) so a crash loop does not monopolise the server. Each restart is logged and counted
+on the board (`load_board.count_restart`), which the engine models export as the metric
+`disagg_engine_restarts`.
 
 A stopped instance (SIGSTOP, state T) is ended after `STOPPED_LIMIT_S` and then reloaded like a dead one.
 Triton 2.51's Python backend cannot take a stub back after a stop: the parent fails its requests after a
