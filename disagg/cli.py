@@ -4,6 +4,7 @@
     build-engines --config X --only decode --force          # rebuild one role
     build-engines --config X --dry-run                      # print the build commands, run nothing
     build-engines plan --config X                           # GPU placement table and checks
+    build-engines manifests --config X [--out DIR]          # Kubernetes manifests only (spec with pools)
 """
 from __future__ import annotations
 
@@ -24,9 +25,23 @@ def build(spec: DeploymentSpec, only: list[str] | None = None, force: bool = Fal
     if render:
         changed = render_repository(spec, spec.model_repository)
         log(f"model repository {spec.model_repository}: " + (f"{len(changed)} files written" if changed else "up to date"))
+        if spec.kubernetes is not None:
+            _write_manifests(spec, manifests_dir(spec), log)
     if not rebuilt:
         log("nothing to rebuild: every engine is up to date")
     return rebuilt
+
+
+def manifests_dir(spec: DeploymentSpec) -> Path:
+    """Where the Kubernetes manifests go by default: k8s/ beside the model repository."""
+    return spec.model_repository.parent / "k8s"
+
+
+def _write_manifests(spec: DeploymentSpec, out: Path, log) -> None:
+    from disagg.k8s.manifests import write_manifests
+
+    changed = write_manifests(spec, out)
+    log(f"kubernetes manifests {out}: " + (f"{len(changed)} files written" if changed else "up to date"))
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -44,11 +59,24 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+def _manifests(argv: list[str]) -> int:
+    parser = _parser("build-engines manifests")
+    parser.add_argument("--out", type=Path, help="directory to write into (default: k8s/ beside the model repository)")
+    args = parser.parse_args(argv)
+    spec = load_spec(args.config)
+    if spec.kubernetes is None:
+        raise SpecError("kubernetes", "required: the spec has no kubernetes section (namespace, image, claims)")
+    _write_manifests(spec, args.out or manifests_dir(spec), print)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["plan"]:
             return _plan(argv[1:])
+        if argv[:1] == ["manifests"]:
+            return _manifests(argv[1:])
         parser = _parser("build-engines")
         parser.add_argument("--only", action="append", choices=ROLES, help="build only this role (repeatable)")
         parser.add_argument("--force", action="store_true", help="rebuild even when the manifest says up to date")
@@ -71,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # a build that failed; manifests that fail the lint
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -48,9 +48,10 @@ def _front_models(spec: DeploymentSpec) -> list[Model]:
 
 def engine_urls(spec: DeploymentSpec) -> str:
     """The orchestrator's `engine_urls`: engine models that another node's server serves. The front end
-    runs with the first role's pool (see disagg.trtllm.render), every other pool at its standard port."""
+    runs with the first role's node (see disagg.trtllm.render), or apart from every pool when the spec has
+    pools; each other node or pool serves at its standard port, under its name (a pool's Service)."""
     roles = [spec.roles[name] for name in ROLES if name in spec.roles]
-    front = roles[0].node
+    front = None if spec.pools else roles[0].node
     remote = []
     for role in roles:
         if role.node != front:
@@ -102,7 +103,9 @@ def plan_models(spec: DeploymentSpec) -> list[Model]:
     return models
 
 
-def _files(spec: DeploymentSpec, out_dir: Path) -> dict[Path, str]:
+def repository_files(spec: DeploymentSpec, out_dir: Path) -> dict[Path, str]:
+    """Path -> text of every file of the repository rendered into `out_dir`, and of the backend's files
+    beside it (under `out_dir`'s parent)."""
     files: dict[Path, str] = {}
     models = plan_models(spec)
     for model in models:
@@ -126,7 +129,7 @@ def render_repository(spec: DeploymentSpec, out_dir: str | Path) -> list[Path]:
     when their content changes; returns the paths written (empty: already up to date). Nothing is deleted.
     """
     written = []
-    for path, text in sorted(_files(spec, Path(out_dir)).items()):
+    for path, text in sorted(repository_files(spec, Path(out_dir)).items()):
         if path.is_file() and path.read_text() == text:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from tritonclient.grpc import model_config_pb2
 
 from disagg.spec import DeploymentSpec
 
-TEMPLATE_DIRS = [Path(__file__).resolve().parent.parent / "templates" / kind for kind in ("python", "tensorrtllm")]
+TEMPLATE_DIRS = [Path(__file__).resolve().parent.parent / "templates" / kind for kind in ("python", "tensorrtllm", "k8s")]
 # Role name -> engine model name; "aggregated" is taken by the baseline's public ensemble.
 ENGINE_MODELS = {"prefill": "prefill", "decode": "decode", "aggregated": "aggregated_engine"}
 

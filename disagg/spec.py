@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,15 @@ BACKENDS = ("reference", "tensorrt_llm")
 KV_TRANSFER_BACKENDS = ("shm", "tcp", "ucx", "nixl", "mpi")
 PREFILL_ROUTING = ("cache_aware", "least_loaded", "random")
 DTYPES = ("float32", "float16", "bfloat16")
+# GPU classes a pool can run on, with their CUDA compute capability: a TensorRT engine runs only on the
+# architecture it was built on, so each role is built on its pool's class.
+HARDWARE = {
+    "a100": "sm80", "h100": "sm90", "h200": "sm90", "h20": "sm90", "gh200": "sm90",
+    "l4": "sm89", "l40s": "sm89", "b200": "sm100", "gb200": "sm100",
+}
+FRONT_SERVICE_TYPES = ("ClusterIP", "LoadBalancer", "NodePort")
+_DNS_LABEL = "^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"  # Kubernetes object names (RFC 1035 labels)
+_QUANTITY = "^[0-9]+(\\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$"
 
 
 class SpecError(ValueError):
@@ -119,6 +129,47 @@ SCHEMA = {
                 "coalesce_backlog": {"type": "integer", "minimum": 0},
             },
         },
+        "pools": {
+            "type": "object",
+            "minProperties": 1,
+            "propertyNames": {"pattern": _DNS_LABEL},
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["roles", "hardware"],
+                "properties": {
+                    "roles": {"type": "array", "items": {"enum": list(ROLES)}, "minItems": 1, "uniqueItems": True},
+                    "hardware": {"enum": list(HARDWARE)},
+                    "replicas": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    "node_selector": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "cpu": {"type": "string", "pattern": _QUANTITY},
+                    "memory": {"type": "string", "pattern": _QUANTITY},
+                },
+            },
+        },
+        "kubernetes": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["namespace", "image", "engines_claim", "model_claim"],
+            "properties": {
+                "namespace": {"type": "string", "pattern": _DNS_LABEL},
+                "image": {"type": "string", "minLength": 1},
+                "engines_claim": {"type": "string", "pattern": _DNS_LABEL},
+                "model_claim": {"type": "string", "pattern": _DNS_LABEL},
+                "gpu_resource": {"type": "string", "minLength": 1},
+                "host_network": {"type": "boolean"},
+                "front": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "replicas": {"type": "integer", "minimum": 1, "maximum": 1000},
+                        "service_type": {"enum": list(FRONT_SERVICE_TYPES)},
+                        "cpu": {"type": "string", "pattern": _QUANTITY},
+                        "memory": {"type": "string", "pattern": _QUANTITY},
+                    },
+                },
+            },
+        },
         "output": {
             "type": "object",
             "additionalProperties": False,
@@ -208,6 +259,39 @@ class OrchestratorSpec:
 
 
 @dataclass(frozen=True)
+class PoolSpec:
+    """Replicas of one pod that serves some roles' engines on one class of hardware. Each replica runs the
+    roles' instances with their own devices (numbered inside the pod) in one MPI world; pools scale apart."""
+
+    name: str
+    roles: tuple[str, ...]
+    hardware: str
+    replicas: int = 1
+    node_selector: tuple[tuple[str, str], ...] = ()
+    cpu: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class FrontSpec:
+    replicas: int = 1
+    service_type: str = "ClusterIP"  # the only Service of the deployment that may be reached from outside
+    cpu: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class KubernetesSpec:
+    namespace: str
+    image: str  # one image for every pod: the release's NGC image with this package installed
+    engines_claim: str  # PersistentVolumeClaim holding the built engines, one directory per role
+    model_claim: str  # PersistentVolumeClaim holding the checkpoint (tokenizer), mounted at model.path
+    gpu_resource: str = "nvidia.com/gpu"
+    host_network: bool = False
+    front: FrontSpec = field(default_factory=FrontSpec)
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
     name: str
     backend: str
@@ -219,6 +303,8 @@ class DeploymentSpec:
     model_repository: Path = Path("model_repository")
     engine_root: Path | None = None  # where the serving host sees build_dir/engines, when not here
     trtllm_release: str | None = None  # backend tensorrt_llm: the TensorRT-LLM release line served
+    pools: dict[str, PoolSpec] = field(default_factory=dict)  # empty: roles placed by their `node`
+    kubernetes: KubernetesSpec | None = None
     source: Path | None = None
 
     def engine_dir(self, role: str) -> Path:
@@ -379,6 +465,71 @@ def _check_cross_role(spec: DeploymentSpec) -> None:
                 owner[key] = role.name
 
 
+def _pools_from_raw(raw: dict) -> dict[str, PoolSpec]:
+    return {
+        name: PoolSpec(
+            name=name, roles=tuple(p["roles"]), hardware=p["hardware"], replicas=p.get("replicas", 1),
+            node_selector=tuple(sorted(p.get("node_selector", {}).items())), cpu=p.get("cpu"), memory=p.get("memory"),
+        )
+        for name, p in raw.get("pools", {}).items()
+    }
+
+
+def _kubernetes_from_raw(raw: dict) -> KubernetesSpec | None:
+    if "kubernetes" not in raw:
+        return None
+    k8s = dict(raw["kubernetes"])
+    return KubernetesSpec(**{**k8s, "front": FrontSpec(**k8s.get("front", {}))})
+
+
+def _check_pools(spec: DeploymentSpec, raw_roles: dict) -> None:
+    """Every role in exactly one pool, each pool's devices numbered as its pod sees them. A pool's name
+    becomes its roles' `node` (disagg.trtllm.render: one MPI world each, reached at that name)."""
+    if spec.backend != "tensorrt_llm":
+        raise SpecError(
+            "pools", f"for backend tensorrt_llm only (this spec's is {spec.backend!r}): reference engines are served "
+            "on one host by disagg-serve, or on several through roles.<role>.node",
+        )
+    placed: dict[str, str] = {}
+    for pool in spec.pools.values():
+        if pool.name == "front":
+            raise SpecError("pools.front", "'front' names the front end's Service: call the pool something else")
+        for role in pool.roles:
+            at = f"pools.{pool.name}.roles"
+            if role not in spec.roles:
+                raise SpecError(at, f"{role!r} is not a role of this spec (roles: {', '.join(spec.roles)})")
+            if role in placed:
+                raise SpecError(at, f"{role!r} is already served by pools.{placed[role]}: one pool per role")
+            if "node" in raw_roles[role]:
+                raise SpecError(f"roles.{role}.node", f"set by pools.{pool.name}: with pools, a role's place is its pool")
+            placed[role] = pool.name
+        devices = sorted({d for r in pool.roles for devs in spec.roles[r].devices for d in devs})
+        if devices and devices != list(range(len(devices))):
+            raise SpecError(
+                f"pools.{pool.name}", f"its roles use GPUs {devices}; a pod sees the GPUs it is given as 0..{len(devices) - 1}: "
+                "number the roles' devices from 0 without gaps",
+            )
+    unplaced = [r for r in spec.roles if r not in placed]
+    if unplaced:
+        raise SpecError(f"roles.{unplaced[0]}", f"in no pool: with pools, every role needs one ({', '.join(spec.pools)})")
+
+
+def _check_kubernetes(spec: DeploymentSpec) -> None:
+    k8s = spec.kubernetes
+    if not spec.pools:
+        raise SpecError("kubernetes", "needs pools: the manifests run one StatefulSet per pool")
+    if not re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", spec.name):
+        raise SpecError("name", f"{spec.name!r}: with kubernetes it labels every object (at most 63 characters, ending in a letter or digit)")
+    if not spec.model.path.is_absolute():
+        raise SpecError("model.path", f"{str(spec.model.path)!r} must be absolute with kubernetes: kubernetes.model_claim is mounted there")
+    if k8s.host_network and spec.kv_transfer.backend not in ("ucx", "nixl"):
+        raise SpecError(
+            "kubernetes.host_network",
+            f"KV moves over {spec.kv_transfer.backend!r}, which works on the pod network; host networking would put "
+            "every port of the engines (which check no credential) on the node's own addresses",
+        )
+
+
 def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
     """Validates a parsed YAML document and returns the typed spec (no model checks)."""
     if not isinstance(raw, dict):
@@ -387,6 +538,9 @@ def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
     model = raw["model"]
     gen = model.get("generate")
     roles = {name: _role_from_raw(name, r) for name, r in raw["roles"].items()}
+    pools = _pools_from_raw(raw)
+    for pool in pools.values():  # a pool is its roles' node: one pod, one MPI world
+        roles.update({r: dataclasses.replace(roles[r], node=pool.name) for r in pool.roles if r in roles})
     out = raw.get("output", {})
     spec = DeploymentSpec(
         name=raw["name"],
@@ -404,6 +558,8 @@ def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
         orchestrator=OrchestratorSpec(**raw.get("orchestrator", {})),
         build_dir=Path(out.get("build_dir", "build")),
         model_repository=Path(out.get("model_repository", "model_repository")),
+        pools=pools,
+        kubernetes=_kubernetes_from_raw(raw),
         source=source,
     )
     if spec.trtllm_release is not None and spec.backend != "tensorrt_llm":
@@ -412,6 +568,10 @@ def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
         spec = with_engine_root(spec, out["engine_root"])
     for role in roles.values():
         _check_role(role, spec.backend)
+    if pools:
+        _check_pools(spec, raw["roles"])
+    if spec.kubernetes is not None:
+        _check_kubernetes(spec)
     _check_cross_role(spec)
     if spec.backend == "reference" and spec.model.dtype != "float32":
         raise SpecError("model.dtype", f"{spec.model.dtype!r}: the reference engine computes in float32 only")

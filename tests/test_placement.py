@@ -237,6 +237,7 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i): return i
     def nvmlDeviceGetName(self, h): return "NVIDIA H100 PCIe"
     def nvmlDeviceGetMemoryInfo(self, h): return type("Mem", (), {"total": 81559 * MIB})
+    def nvmlDeviceGetCudaComputeCapability(self, h): return (9, 0)
     def nvmlDeviceGetPciInfo(self, h): return type("Pci", (), {"busId": self.buses[h].encode()})
     def nvmlDeviceGetNumaNodeId(self, h): return 0 if h < 2 else 1
     def nvmlDeviceGetCpuAffinity(self, h, words): return [0b1_0000_1111 if h < 2 else 0b1111_0000]
@@ -261,6 +262,7 @@ def test_inventory_reads_nvml(monkeypatch):
     gpu0, _, gpu2 = inv.gpus
     assert (gpu0.name, gpu0.memory_bytes, gpu0.pci_bus_id) == ("NVIDIA H100 PCIe", 81559 * MIB, "0000:1b:00.0")
     assert (gpu0.numa_node, gpu0.cpu_affinity, gpu0.nvlinks, gpu0.nvswitch) == (0, "0-3,8", 2, False)
+    assert gpu0.compute_capability == "sm90"
     assert (gpu2.numa_node, gpu2.cpu_affinity, gpu2.nvlinks) == (1, "4-7", 0)
     assert inv.link_name((0, 1)) == "NVLink (NV2)"
     assert inv.link_name((1, 2)) == "cross-socket (SYS)"

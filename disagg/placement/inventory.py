@@ -43,6 +43,7 @@ class Gpu:
     cpu_affinity: str  # CPU list, e.g. "0-47,96-143"
     nvlinks: int  # active NVLink links
     nvswitch: bool  # the links go to NVSwitches: all-to-all at full NVLink bandwidth
+    compute_capability: str = ""  # "sm90": the architecture a TensorRT engine built here runs on
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ def _read_nvml() -> GpuInventory:
             cpu_affinity=_cpu_list(h),
             nvlinks=len(peers[i]),
             nvswitch=any(switch for _, switch in peers[i]),
+            compute_capability="sm{}{}".format(*pynvml.nvmlDeviceGetCudaComputeCapability(h)),
         )
         for i, h in enumerate(handles)
     )

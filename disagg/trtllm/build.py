@@ -15,8 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from disagg.placement.inventory import inventory
-from disagg.spec import DeploymentSpec, SpecError
+from disagg.placement.inventory import GpuInventory, inventory
+from disagg.spec import HARDWARE, DeploymentSpec, SpecError
 from disagg.trtllm import versions
 from disagg.trtllm.commands import Command, checkpoint_dir, convert_script, role_commands, role_spec
 from disagg.trtllm.render import check_spec
@@ -48,11 +48,28 @@ def build_roles(spec: DeploymentSpec, roles: list[str], force: bool) -> list[str
     """Builds each role's engine unless it is up to date (or `force`); returns the roles rebuilt.
     `spec` has its release pinned (`pin_release`)."""
     _check(spec, roles)
+    inv = inventory()
+    if inv is not None:
+        _check_architecture(spec, roles, inv)
     version = versions.detect_version()
     _check_tools(spec, version)
-    inv = inventory()
     local_gpus = len(inv.gpus) if inv else None
     return [name for name in roles if _build_role(spec, name, version, local_gpus, force)]
+
+
+def _check_architecture(spec: DeploymentSpec, roles: list[str], inv: GpuInventory) -> None:
+    """A TensorRT engine runs only on the GPU architecture it was built on: each role is built on a GPU of
+    its pool's hardware class (spec.HARDWARE)."""
+    here = {g.compute_capability for g in inv.gpus if g.compute_capability}
+    for pool in spec.pools.values():
+        wanted = HARDWARE[pool.hardware]
+        for name in (r for r in roles if r in pool.roles):
+            if here and wanted not in here:
+                raise BuildError(
+                    f"[{name}] pools.{pool.name} runs on {pool.hardware} ({wanted}), but this machine's GPUs are "
+                    f"{', '.join(sorted(here))} ({inv.gpus[0].name}): an engine built here would not run there. "
+                    f"Build it on a {pool.hardware}: build-engines --config {spec.source or '<spec>'} --only {name}"
+                )
 
 
 def _check(spec: DeploymentSpec, roles: list[str]) -> None:

@@ -154,11 +154,11 @@ def check_spec(spec: DeploymentSpec) -> None:
         ucx = [r.name for r in versions.RELEASES if "ucx" in r.kv_transports]
         raise SpecError(
             "kv_transfer.backend",
-            f"'mpi' needs prefill and decode in one MPI world, but roles run on nodes {', '.join(nodes(spec))} "
+            f"'mpi' needs prefill and decode in one MPI world, but roles run on {'pools' if spec.pools else 'nodes'} {', '.join(nodes(spec))} "
             "(one world per pool): "
             + ("use ucx" if "ucx" in release.kv_transports else
                f"TensorRT-LLM {release.name} has no other transport in Triton; set trtllm_release to {' or '.join(ucx)} "
-               "and use ucx between the pools, or put both roles on one node"),
+               "and use ucx between the pools, or put both roles " + ("in one pool" if spec.pools else "on one node")),
         )
     for role in _roles(spec):
         if role.enable_chunked_context and not release.chunked_context:
@@ -275,9 +275,14 @@ def _front_models(spec: DeploymentSpec, models: list[str]) -> list[str]:
 
 def _connection(spec: DeploymentSpec, node: str) -> list[str]:
     all_nodes = nodes(spec)
+    grpc = PORTS["grpc"]
+    if spec.pools:
+        lines = [f"Pool {node}: the front end reaches its models over gRPC at {node}:{grpc} (its Service)."]
+        return lines + ([] if len(all_nodes) == 1 else
+                        [f"KV blocks move between pools over {spec.kv_transfer.backend.upper()} (TRTLLM_USE_*_KVCACHE)."])
     if len(all_nodes) == 1:
         return []
-    front, grpc = all_nodes[0], PORTS["grpc"]
+    front = all_nodes[0]
     if node == front:
         remote = [f"{m} at {r.node}:{grpc}" for r in _roles(spec) if r.node != front for m in role_models(spec, r.name)]
         lines = [f"Front-end pool: the orchestrator here reaches {', '.join(remote)} over gRPC; start those pools too."]
@@ -291,11 +296,11 @@ def _launch_script(spec: DeploymentSpec, node: str, models: list[str]) -> str:
     engines in the MPI world, whose rank 0 listens on loopback; another pool's rank 0 serves its engines
     on the usual ports, for the front node's orchestrator."""
     layout = mpi_world(spec, node)
-    is_front = node == nodes(spec)[0]
+    is_front = not spec.pools and node == nodes(spec)[0]
     rank0 = _engines_here(spec, node)
     if is_front:
         segments = [_server_argv(rank0, "prefix0_", PRIVATE_PORTS, "127.0.0.1")]
-        front = _server_argv(_front_models(spec, models), "front_", PORTS)
+        front = front_server(spec, models)
     else:
         segments, front = [_server_argv(rank0, "prefix0_", PORTS)], None
     segments += [_server_argv([model_name(spec, x)], f"prefix{rank}_", None) for x in layout for rank in x.ranks]
@@ -319,11 +324,23 @@ def _launch_script(spec: DeploymentSpec, node: str, models: list[str]) -> str:
     )
 
 
+def front_server(spec: DeploymentSpec, models: list[str]) -> str:
+    """The tritonserver command of the front end (every model of `models` that is no engine), on the
+    standard ports: the one server clients reach."""
+    return _server_argv(_front_models(spec, models), "front_", PORTS)
+
+
 def render_launch_script(spec: DeploymentSpec, models: list[str]) -> dict[str, str]:
-    """File name -> bash script: `launch.sh` for one node, else `launch-<node>.sh` per node (pool);
-    `models` names every model of the repository."""
+    """File name -> bash script: `launch.sh` for one node, else `launch-<node>.sh` per node; with pools,
+    `launch-<pool>.sh` per pool and `launch-front.sh` for the front end, which no pool hosts. `models`
+    names every model of the repository."""
     check_spec(spec)
     all_nodes = nodes(spec)
+    if spec.pools:
+        scripts = {f"launch-{node}.sh": _launch_script(spec, node, models) for node in all_nodes}
+        front = render_template("launch-front.sh.j2", source=spec.source or spec.name, repository=spec.model_repository.name,
+                                pools=all_nodes, command=front_server(spec, models))
+        return {**scripts, "launch-front.sh": front}
     if len(all_nodes) == 1:
         return {"launch.sh": _launch_script(spec, all_nodes[0], models)}
     return {f"launch-{node}.sh": _launch_script(spec, node, models) for node in all_nodes}
