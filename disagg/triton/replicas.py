@@ -1,0 +1,171 @@
+"""A pool's replicas, discovered at run time, and the load each one publishes.
+
+A pool is several servers that serve the same engine models (a StatefulSet's pods, or tritonservers on
+loopback ports). The orchestrator learns who they are from a source, and how busy each one is from its
+Prometheus endpoint, the same families the tensorrtllm backend reports (custom_metrics_reporter.cc):
+    nv_trt_llm_request_metrics{model, request_type="active"}         requests in the engine
+    nv_trt_llm_kv_cache_block_metrics{model, kv_cache_block_type="free"}   free KV blocks
+Sources, as an `engine_urls` value:
+    registry:<directory>            one JSON file per replica, {"grpc": "host:port", "metrics": "http://..."},
+                                    written by `disagg-serve --announce` once ready and removed before it stops
+    dns:<host>:<grpc port>:<metrics port>   every address the name resolves to (a headless Service lists
+                                    only its ready pods)
+A replica joins once its metrics answer, and leaves when its source stops listing it or its metrics stop
+answering; requests already on a replica that left finish there (the orchestrator keeps their streams).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import urllib.request
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REFRESH_S = 0.25  # membership and load, read again this often
+SCRAPE_TIMEOUT_S = 1.0
+REQUESTS = "nv_trt_llm_request_metrics"
+KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
+
+
+@dataclass(frozen=True)
+class Replica:
+    grpc: str  # host:port of its gRPC endpoint
+    metrics: str  # URL of its Prometheus endpoint
+
+
+@dataclass(frozen=True)
+class Load:
+    active: int  # requests in its engine (admitted or queued)
+    free_blocks: int
+
+
+class Source(ABC):
+    """Who the replicas of a pool are right now."""
+
+    @abstractmethod
+    def replicas(self) -> list[Replica]: ...
+
+
+class RegistrySource(Source):
+    def __init__(self, directory: str):
+        self.directory = Path(directory)
+
+    def replicas(self) -> list[Replica]:
+        found = []
+        try:
+            paths = sorted(self.directory.glob("*.json"))
+        except OSError:
+            return []
+        for path in paths:
+            try:
+                entry = json.loads(path.read_text())
+                found.append(Replica(entry["grpc"], entry["metrics"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being written or removed right now
+        return found
+
+
+class DnsSource(Source):
+    def __init__(self, host: str, grpc_port: int, metrics_port: int):
+        self.host, self.grpc_port, self.metrics_port = host, grpc_port, metrics_port
+
+    def replicas(self) -> list[Replica]:
+        try:
+            infos = socket.getaddrinfo(self.host, self.grpc_port, type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            return []  # no ready replica: the name has no address
+        addresses = sorted({info[4][0] for info in infos})
+        return [Replica(f"{_host(a)}:{self.grpc_port}", f"http://{_host(a)}:{self.metrics_port}/metrics") for a in addresses]
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def parse_source(value: str) -> Source | None:
+    """The source an `engine_urls` value names; None for a plain host:port (one fixed server)."""
+    kind, _, rest = value.partition(":")
+    if kind == "registry":
+        return RegistrySource(rest)
+    if kind == "dns":
+        host, grpc_port, metrics_port = rest.rsplit(":", 2)
+        return DnsSource(host, int(grpc_port), int(metrics_port))
+    return None
+
+
+def parse_loads(text: str) -> dict[str, Load]:
+    """{model: Load} from a Prometheus exposition: the models' series summed over their other labels."""
+    active: dict[str, float] = {}
+    free: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model is None:
+                continue
+            if sample.name == REQUESTS and sample.labels.get("request_type") == "active":
+                active[model] = active.get(model, 0) + sample.value
+            elif sample.name == KV_BLOCKS and sample.labels.get("kv_cache_block_type") == "free":
+                free[model] = free.get(model, 0) + sample.value
+    return {m: Load(int(active.get(m, 0)), int(free.get(m, 0))) for m in active.keys() | free.keys()}
+
+
+def scrape(replica: Replica) -> dict[str, Load]:
+    with urllib.request.urlopen(replica.metrics, timeout=SCRAPE_TIMEOUT_S) as response:
+        return parse_loads(response.read().decode())
+
+
+class ReplicaPool:
+    """The live replicas of one source and their load, refreshed every REFRESH_S by a thread of its own."""
+
+    def __init__(self, source: Source, refresh_s: float = REFRESH_S):
+        self.source, self.refresh_s = source, refresh_s
+        self._loads: dict[str, dict[str, Load]] = {}  # grpc url -> {model: Load}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name="replicas", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> None:
+        loads = {}
+        for replica in self.source.replicas():
+            try:
+                loads[replica.grpc] = scrape(replica)
+            except (OSError, ValueError):
+                continue  # not serving (yet, or any more)
+        with self._lock:
+            self._loads = loads
+
+    def urls(self) -> list[str]:
+        with self._lock:
+            return list(self._loads)
+
+    def load(self, url: str, model: str) -> Load | None:
+        """What the replica at `url` last published for `model`; None when it is not a live member."""
+        with self._lock:
+            return self._loads.get(url, {}).get(model)
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.refresh_s):
+            self.refresh()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=SCRAPE_TIMEOUT_S * 2)
+
+
+def announce(directory: str | Path, replica: Replica) -> Path:
+    """Lists `replica` in a registry directory (atomically); returns the entry to remove at its stop."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / (re.sub(r"[^A-Za-z0-9.]+", "_", replica.grpc) + ".json")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"grpc": replica.grpc, "metrics": replica.metrics}))
+    os.replace(tmp, path)
+    return path

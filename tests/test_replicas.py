@@ -1,0 +1,119 @@
+"""Replica discovery below the model boundary: sources, the load a replica publishes, pool membership."""
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from disagg.triton import replicas
+from disagg.triton.replicas import DnsSource, Load, RegistrySource, Replica, ReplicaPool, announce, parse_loads, parse_source
+
+# What the tensorrtllm backend's custom_metrics_reporter.cc exposes, trimmed: gauges labelled model and version.
+EXPOSITION = """\
+# HELP nv_trt_llm_request_metrics TRT LLM request metrics
+# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="decode",request_type="context",version="1"} 0
+nv_trt_llm_request_metrics{model="decode",request_type="scheduled",version="1"} 3
+nv_trt_llm_request_metrics{model="decode",request_type="max",version="1"} 8
+nv_trt_llm_request_metrics{model="decode",request_type="active",version="1"} 5
+nv_trt_llm_request_metrics{model="decode_1",request_type="active",version="1"} 1
+# HELP nv_trt_llm_kv_cache_block_metrics TRT LLM KV cache block metrics
+# TYPE nv_trt_llm_kv_cache_block_metrics gauge
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="decode",version="1"} 16
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free",model="decode",version="1"} 120
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used",model="decode",version="1"} 8
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="free",model="decode_1",version="1"} 64
+# HELP nv_inference_count Number of inferences performed
+# TYPE nv_inference_count counter
+nv_inference_count{model="decode",version="1"} 42
+"""
+
+
+def test_a_replicas_load_is_read_from_the_tensorrtllm_backends_metric_families():
+    assert parse_loads(EXPOSITION) == {"decode": Load(active=5, free_blocks=120), "decode_1": Load(active=1, free_blocks=64)}
+
+
+def test_sources_are_named_in_engine_urls():
+    registry = parse_source("registry:/run/pools/decode")
+    assert isinstance(registry, RegistrySource) and str(registry.directory) == "/run/pools/decode"
+    dns = parse_source("dns:decode-h100:8001:8002")
+    assert isinstance(dns, DnsSource) and (dns.host, dns.grpc_port, dns.metrics_port) == ("decode-h100", 8001, 8002)
+    assert parse_source("decode-pool:8001") is None
+
+
+def test_dns_lists_every_address_of_the_name():
+    assert DnsSource("localhost", 8001, 8002).replicas()[0] in (
+        Replica("127.0.0.1:8001", "http://127.0.0.1:8002/metrics"), Replica("[::1]:8001", "http://[::1]:8002/metrics"))
+    assert DnsSource("no-such-pool.invalid", 8001, 8002).replicas() == []
+
+
+def test_the_registry_lists_announced_replicas_and_skips_what_it_cannot_read(tmp_path):
+    source = RegistrySource(str(tmp_path / "decode"))
+    assert source.replicas() == []
+    one = announce(tmp_path / "decode", Replica("127.0.0.1:9101", "http://127.0.0.1:9102/metrics"))
+    announce(tmp_path / "decode", Replica("127.0.0.1:9201", "http://127.0.0.1:9202/metrics"))
+    (tmp_path / "decode" / "half-written.json").write_text('{"grpc": ')
+    assert [r.grpc for r in source.replicas()] == ["127.0.0.1:9101", "127.0.0.1:9201"]
+    one.unlink()
+    assert [r.grpc for r in source.replicas()] == ["127.0.0.1:9201"]
+    assert sorted(p.name for p in (tmp_path / "decode").iterdir()) == ["127.0.0.1_9201.json", "half-written.json"]
+
+
+@pytest.fixture
+def metrics_server():
+    """A Prometheus endpoint on a loopback port serving what `body[0]` holds."""
+    body = [EXPOSITION]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = body[0].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics", body
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_pool_admits_replicas_whose_metrics_answer_and_follows_their_load(tmp_path, metrics_server):
+    url, body = metrics_server
+    registry = tmp_path / "decode"
+    announce(registry, Replica("127.0.0.1:9101", url))
+    announce(registry, Replica("127.0.0.1:9201", "http://127.0.0.1:9/metrics"))  # nothing listens there
+    pool = ReplicaPool(RegistrySource(str(registry)), refresh_s=0.05)
+    try:
+        assert pool.urls() == ["127.0.0.1:9101"]
+        assert pool.load("127.0.0.1:9101", "decode") == Load(5, 120)
+        assert pool.load("127.0.0.1:9201", "decode") is None
+        body[0] = EXPOSITION.replace('request_type="active",version="1"} 5', 'request_type="active",version="1"} 7')
+        _until(lambda: pool.load("127.0.0.1:9101", "decode") == Load(7, 120))
+        (registry / "127.0.0.1_9101.json").unlink()
+        _until(lambda: pool.urls() == [])
+    finally:
+        pool.close()
+
+
+def _until(condition, timeout_s: float = 3.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_the_registry_entry_is_json_naming_both_endpoints(tmp_path):
+    path = announce(tmp_path, Replica("[::1]:8001", "http://[::1]:8002/metrics"))
+    assert path.name == "_1_8001.json"
+    assert json.loads(path.read_text()) == {"grpc": "[::1]:8001", "metrics": "http://[::1]:8002/metrics"}
+    assert replicas.RegistrySource(str(tmp_path)).replicas() == [Replica("[::1]:8001", "http://[::1]:8002/metrics")]
