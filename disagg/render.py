@@ -18,7 +18,7 @@ from pathlib import Path
 from disagg.backend import backend_for
 from disagg.repository import ENGINE_MODELS, Model, parse_config, python_model, render_template, repo_relative, role_models
 from disagg.spec import ROLES, DeploymentSpec
-from disagg.triton.contract import ENGINE_GRPC_PORT
+from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_METRICS_PORT
 
 
 def _front_models(spec: DeploymentSpec) -> list[Model]:
@@ -48,10 +48,14 @@ def _front_models(spec: DeploymentSpec) -> list[Model]:
 
 def engine_urls(spec: DeploymentSpec) -> str:
     """The orchestrator's `engine_urls`: engine models that another node's server serves. The front end
-    runs with the first role's node (see disagg.trtllm.render), or apart from every pool when the spec has
-    pools; each other node or pool serves at its standard port, under its name (a pool's Service)."""
+    runs with the first role's node (see disagg.trtllm.render), every other node serving at its standard
+    port. With pools the front runs apart from all of them, and each pool is a set of replicas behind a
+    name (its headless Service) that the orchestrator resolves again and again (disagg.triton.replicas)."""
     roles = [spec.roles[name] for name in ROLES if name in spec.roles]
-    front = None if spec.pools else roles[0].node
+    if spec.pools:
+        return ",".join(f"{name}=dns:{role.node}:{ENGINE_GRPC_PORT}:{ENGINE_METRICS_PORT}"
+                        for role in roles for name in role_models(spec, role.name))
+    front = roles[0].node
     remote = []
     for role in roles:
         if role.node != front:

@@ -19,6 +19,7 @@ from disagg.repository import parse_config
 from disagg.spec import SpecError
 from disagg.trtllm import build
 from disagg.trtllm.render import render_launch_script
+from disagg.triton import replicas
 from tests.trtllm_helpers import ROOT, TOPOLOGY, example_spec, model_dir
 
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # the oldest and newest the validator's schemas cover that we test
@@ -72,11 +73,11 @@ def test_the_validator_refuses_a_field_kubernetes_does_not_have(rendered):
 def test_each_pool_is_a_statefulset_with_its_gpus_nodes_and_launch_script(rendered):
     spec, _, docs = rendered
     launch = _find(docs, "ConfigMap", "launch")["data"]
-    for pool, gpus, replicas, product in (("prefill-h200", 8, 2, "NVIDIA-H200"), ("decode-h100", 4, 3, "NVIDIA-H100-80GB-HBM3")):
+    for pool, gpus, count, product in (("prefill-h200", 8, 2, "NVIDIA-H200"), ("decode-h100", 4, 3, "NVIDIA-H100-80GB-HBM3")):
         sts = _find(docs, "StatefulSet", pool)
         pod = sts["spec"]["template"]["spec"]
         (triton,) = pod["containers"]
-        assert sts["spec"]["replicas"] == replicas and sts["spec"]["serviceName"] == pool
+        assert sts["spec"]["replicas"] == count and sts["spec"]["serviceName"] == pool
         assert triton["resources"]["limits"]["nvidia.com/gpu"] == gpus
         assert pod["nodeSelector"] == {"nvidia.com/gpu.product": product}
         assert sts["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
@@ -101,12 +102,15 @@ def test_the_front_reaches_every_engine_model_at_its_pools_service(rendered):
     repository = _find(docs, "ConfigMap", "repository")["data"]
     config = parse_config("disagg_orchestrator", repository["disagg_orchestrator__config.pbtxt"])
     urls = dict(item.split("=") for item in config.parameters["engine_urls"].string_value.split(","))
-    assert urls == {"prefill": "prefill-h200:8001", "prefill_1": "prefill-h200:8001", "prefill_2": "prefill-h200:8001",
-                    "prefill_3": "prefill-h200:8001", "decode": "decode-h100:8001"}
+    assert urls == {"prefill": "dns:prefill-h200:8001:8002", "prefill_1": "dns:prefill-h200:8001:8002",
+                    "prefill_2": "dns:prefill-h200:8001:8002", "prefill_3": "dns:prefill-h200:8001:8002",
+                    "decode": "dns:decode-h100:8001:8002"}
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     for url in urls.values():
-        host, port = url.split(":")
-        assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]]
+        source = replicas.parse_source(url)  # the orchestrator resolves the headless Service's name
+        ports = {p["name"]: p["port"] for p in services[source.host]["spec"]["ports"]}
+        assert services[source.host]["spec"]["clusterIP"] == "None"
+        assert (ports["grpc"], ports["metrics"]) == (source.grpc_port, source.metrics_port)
     front = _find(docs, "Deployment", "front")["spec"]["template"]["spec"]
     assert [c["name"] for c in front["containers"]] == ["triton", "openai"]
     assert front["containers"][0]["command"] == ["bash", "/launch/launch-front.sh"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 
 import pytest
 
@@ -104,8 +105,6 @@ def test_a_pool_admits_replicas_whose_metrics_answer_and_follows_their_load(tmp_
 
 
 def _until(condition, timeout_s: float = 3.0) -> None:
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -117,3 +116,19 @@ def test_the_registry_entry_is_json_naming_both_endpoints(tmp_path):
     assert path.name == "_1_8001.json"
     assert json.loads(path.read_text()) == {"grpc": "[::1]:8001", "metrics": "http://[::1]:8002/metrics"}
     assert replicas.RegistrySource(str(tmp_path)).replicas() == [Replica("[::1]:8001", "http://[::1]:8002/metrics")]
+
+
+def test_a_replica_whose_metrics_go_quiet_stays_a_moment_then_leaves(tmp_path, metrics_server, monkeypatch):
+    monkeypatch.setattr(replicas, "SILENT_S", 0.5)
+    url, body = metrics_server
+    announce(tmp_path, Replica("127.0.0.1:9101", url))
+    left: list[str] = []
+    pool = ReplicaPool(RegistrySource(str(tmp_path)), refresh_s=0.05, on_leave=left.append)
+    try:
+        (tmp_path / "127.0.0.1_9101.json").write_text(json.dumps({"grpc": "127.0.0.1:9101", "metrics": "http://127.0.0.1:9/metrics"}))
+        time.sleep(0.2)  # its metrics stopped answering: one slow answer is not leaving
+        assert pool.urls() == ["127.0.0.1:9101"] and pool.load("127.0.0.1:9101", "decode") == Load(5, 120) and left == []
+        _until(lambda: pool.urls() == [])
+        assert left == ["127.0.0.1:9101"]
+    finally:
+        pool.close()

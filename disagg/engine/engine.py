@@ -283,6 +283,10 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     @property
+    def num_in_context(self) -> int:
+        return sum(seq.status is Status.CONTEXT for seq in self.running.values())
+
+    @property
     def num_in_batch(self) -> int:
         """Sequences that hold a batch slot: running, or having their KV copied in."""
         return len(self.running) + len(self.importing)

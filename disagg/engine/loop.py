@@ -31,6 +31,7 @@ class EngineStats:
     prompt_blocks: int = 0  # prompt blocks looked up, since the engine started
     store_hits: int = 0  # prompt blocks imported from the node's store, since the engine started
     tokens_per_block: int = 0
+    in_context: int = 0  # in the batch with their prompt not yet all computed
 
     @property
     def in_flight(self) -> int:
@@ -93,7 +94,8 @@ class EngineLoop:
     def _stats(self) -> EngineStats:
         e = self.engine
         return EngineStats(len(e.waiting), e.num_in_batch, len(e.held), e.blocks.num_used, e.blocks.num_blocks,
-                           e.blocks.num_cached, e.reused_blocks, e.prompt_blocks, e.store_hits, e.blocks.tokens_per_block)
+                           e.blocks.num_cached, e.reused_blocks, e.prompt_blocks, e.store_hits, e.blocks.tokens_per_block,
+                           e.num_in_context)
 
     def cached_blocks(self, since_version: int) -> tuple[int, np.ndarray | None]:
         """The prefix cache's version and, if it changed since `since_version`, its block hashes."""

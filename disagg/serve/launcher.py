@@ -27,6 +27,12 @@ on --openai-port, on the same address as HTTP, then prints "ready". A server tha
 answers no liveness probe, is started again on the same ports (disagg.serve.supervisor).
 SIGINT/SIGTERM stop everything; the exit code is the main server's. Servers get 5 s to finish their
 requests on a stop (--exit-timeout-secs).
+
+`--load-model=X` flags without a model-control mode serve only those models. `--announce DIR` makes this
+server a replica of a pool (one server, disagg.triton.replicas): once ready it lists itself in the
+registry DIR, and on SIGINT/SIGTERM it first leaves the registry, waits until orchestrators have
+stopped sending it requests and its engines have finished the ones they hold (at most
+--exit-timeout-secs), then stops.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from disagg.serve.supervisor import PREFIX as _PREFIX
 from disagg.serve.supervisor import Supervised
 from disagg.serve.watchdog import Watchdog
 from disagg.triton.contract import ENGINE_URLS_ENV
+from disagg.triton import load_board, replicas
 from disagg.triton.credential import internal_key
 from disagg.triton.load_board import board_key
 
@@ -65,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--openai-port", type=int, default=9000, help="disagg-serve only: the OpenAI-compatible API's port (default 9000)")
     p.add_argument("--no-openai", action="store_true", help="disagg-serve only: do not start the OpenAI-compatible API")
     p.add_argument("--one-server", action="store_true", help="disagg-serve only: run the engine models in the main server too")
+    p.add_argument("--announce", metavar="DIR", help="disagg-serve only: serve as a pool replica listed in the registry DIR "
+                   "(one server; leaves the registry and drains before it stops)")
     p.add_argument(
         "--ready-timeout-secs", type=float, default=600.0,
         help="disagg-serve only: give up when the server is not ready after this long (default 600)",
@@ -86,6 +95,21 @@ def _models(repository: Path) -> list[str]:
     return sorted(p.parent.name for p in repository.glob("*/config.pbtxt"))
 
 
+def _take_load_models(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the models of tritonserver's --load-model flags in `args`, `args` without them)."""
+    models, rest, i = [], [], 0
+    while i < len(args):
+        if args[i].startswith("--load-model="):
+            models.append(args[i].split("=", 1)[1])
+        elif args[i] == "--load-model" and i + 1 < len(args):
+            models.append(args[i + 1])
+            i += 1
+        else:
+            rest.append(args[i])
+        i += 1
+    return models, rest
+
+
 class Servers:
     """The servers of one `disagg-serve`: the main one on the ports given, and one per reference-engine model
     on free loopback ports (none with --one-server, several repositories or the user's own model-control
@@ -97,10 +121,14 @@ class Servers:
         self.key = board_key(self.repository)
         chooses_address = any(a.split("=")[0] in ("--http-address", "--grpc-address", "--metrics-address") for a in passthrough)
         self.controlled = _flag_value(passthrough, "--model-control-mode") is None  # else the user steers the models
-        isolate = self.controlled and not args.one_server and not more
+        if self.controlled:  # --load-model flags then say which models to serve
+            only, passthrough = _take_load_models(passthrough)
+        else:
+            only = []
+        isolate = self.controlled and not args.one_server and not more and not args.announce
         # The user's models may rely on config auto-completion; ours do not (TritonServer's auto_complete).
         user_configs = bool(more) or _flag_value(passthrough, "--strict-model-config") is not None
-        engines = [e.name for e in engine_models(self.repository)] if isolate else []
+        engines = [e.name for e in engine_models(self.repository) if not only or e.name in only] if isolate else []
 
         def server(label: str, ports: tuple[int | None, ...], load: list[str], env: dict[str, str], address: str | None, extra: list[str],
                    auto_complete: bool = False):
@@ -116,7 +144,8 @@ class Servers:
             ports = tuple(free_ports(3))
             self.engines[name] = Supervised(f"tritonserver of {name}", server(name, ports, [name], {}, "127.0.0.1", []), signalled)
         urls = ",".join(f"{name}={sup.server.grpc_url}" for name, sup in self.engines.items())
-        front_models = [m for m in _models(self.repository) if m not in self.engines] if isolate else ["*"]
+        served = only or _models(self.repository)
+        front_models = [m for m in served if m not in self.engines] if isolate else (only or ["*"])
         self.main = Supervised("tritonserver", server(
             "main", (args.http_port, args.grpc_port, args.metrics_port), front_models, {ENGINE_URLS_ENV: urls} if urls else {},
             None if chooses_address else "127.0.0.1", [*(f"--model-repository={r}" for r in more), *passthrough],
@@ -153,6 +182,19 @@ class Servers:
         if self.isolated:
             sweep(self.key)
 
+    def drain(self, timeout_s: float) -> int:
+        """Waits until orchestrators have seen this replica leave its registry (they read it every
+        replicas.REFRESH_S) and no engine model here holds a request, or `timeout_s` has passed; returns
+        the requests still held then."""
+        deadline = time.monotonic() + timeout_s
+        time.sleep(min(timeout_s, 4 * replicas.REFRESH_S))
+        models = [e.name for e in engine_models(self.repository)]
+        while True:
+            held = sum(load.in_flight for m in models if (load := load_board.model_load(self.key, m)) is not None)
+            if not held or time.monotonic() > deadline:
+                return held
+            time.sleep(0.1)
+
 
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = _parser().parse_known_args(argv)
@@ -167,7 +209,22 @@ def main(argv: list[str] | None = None) -> int:
         watchdog = Watchdog(servers.key, lambda model: clients[servers.server_of(model).http_url],
                             log=lambda line: print(f"{_PREFIX} {line}", flush=True))
 
-    def forward(signum: int, _frame) -> None:
+    entry: list[Path] = []  # this replica's registry entry, while it is listed
+
+    def forward(signum: int, _frame=None) -> None:
+        if entry and not signalled:  # a replica leaves its pool and drains first; a second signal stops at once
+            signalled.append(signum)
+            entry.pop().unlink(missing_ok=True)
+            print(f"{_PREFIX} left the registry {args.announce}: draining", flush=True)
+            def drain_then_stop() -> None:
+                started = time.monotonic()
+                held = servers.drain(args.exit_timeout_secs)
+                print(f"{_PREFIX} drained in {time.monotonic() - started:.1f} s"
+                      + (f", {held} requests still held: stopping anyway" if held else ""), flush=True)
+                forward(signum)
+
+            threading.Thread(target=drain_then_stop, name="drain", daemon=True).start()
+            return
         signalled.append(signum)
         if watchdog is not None:
             watchdog.halt()  # the models are being unloaded on purpose now
@@ -204,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                                 port=args.openai_port, metrics_urls=servers.metrics_urls)
             front.start().wait_ready()
             print(f"{_PREFIX} OpenAI-compatible API on {front.base_url}", flush=True)
+        if args.announce and not signalled:
+            entry.append(replicas.announce(args.announce, replicas.Replica(main_server.grpc_url, main_server.metrics_url)))
+            print(f"{_PREFIX} listed in the registry {args.announce} as {main_server.grpc_url}", flush=True)
         print(f"{_PREFIX} ready", flush=True)
         code = servers.main.run(args.ready_timeout_secs)
     except ServerError as exc:
@@ -211,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         if not signalled:
             print(f"{_PREFIX} error: {exc}", file=sys.stderr)
     finally:
+        for path in entry:  # the server ended on its own: it serves nobody now
+            path.unlink(missing_ok=True)
         if watchdog is not None:
             watchdog.stop()
         if front is not None:

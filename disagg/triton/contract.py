@@ -25,6 +25,7 @@ CONTEXT_PARAMS_MISSING = "contextParams must be present in the response"
 ENGINE_URL_ENV = "DISAGG_ENGINE_GRPC_URL"
 ENGINE_URLS_ENV = "DISAGG_ENGINE_URLS"  # "model=host:port,...": engines served elsewhere (disagg-serve's engine servers)
 ENGINE_GRPC_PORT = 8001
+ENGINE_METRICS_PORT = 8002  # where a pool's replicas publish their load (disagg.triton.replicas)
 DEFAULT_ENGINE_URL = f"127.0.0.1:{ENGINE_GRPC_PORT}"
 
 

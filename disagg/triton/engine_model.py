@@ -31,7 +31,7 @@ from disagg.engine.no_compute import SKIP_COMPUTE_ENV, skip_compute
 from disagg.triton import credential, kv_index, load_board
 from disagg.triton.cancel_board import Throttle
 from disagg.triton.contract import CONTEXT_PARAMS_MISSING
-from disagg.triton.metrics import EngineMetrics
+from disagg.triton.metrics import BackendMetrics, EngineMetrics
 from disagg.triton.paths import model_param, repository_root, resolve_path
 from disagg.triton.tensors import EngineCall, parse_engine_call
 from disagg.transfer.agent import TransferAgent
@@ -138,6 +138,7 @@ class TritonPythonModel:
             unlink_predecessors(lineage)
             self.pool = SharedPool(pool_name(lineage))
         self.metrics = EngineMetrics(self.role, self.instance)
+        self.backend_metrics = BackendMetrics(self.name, str(args["model_version"]))
         self.metrics.restarts.set(load_board.restarts(self.board_key).get(self.name, 0))
         if skip_compute():
             pb_utils.Logger.log_warn(f"{self.instance}: {SKIP_COMPUTE_ENV}=1: the forward pass is skipped, tokens are not the model's")
@@ -163,6 +164,7 @@ class TritonPythonModel:
         self.puller = KVPuller()
         self.pulls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-pull")
         self.streams: dict[str, Stream] = {}
+        self._pulling = 0  # generation requests claiming their KV, not yet in the engine: load all the same
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_metrics, name="metrics", daemon=True)
@@ -185,7 +187,9 @@ class TritonPythonModel:
             if call.stop:
                 self._stop(call.request_id, sender)
             elif call.request_type == "generation_only":
-                self.pulls.submit(self._pull_and_submit, call, Stream(sender, call))
+                with self._lock:
+                    self._pulling += 1
+                self.pulls.submit(self._pull, call, Stream(sender, call))
             else:
                 self._start(self._request(call, None), Stream(sender, call))
         return None
@@ -204,6 +208,13 @@ class TritonPythonModel:
         except (RequestError, ValueError) as exc:
             self._forget(request.req_id)
             stream.fail(str(exc))
+
+    def _pull(self, call: EngineCall, stream: Stream) -> None:
+        try:
+            self._pull_and_submit(call, stream)
+        finally:
+            with self._lock:
+                self._pulling -= 1
 
     def _pull_and_submit(self, call: EngineCall, stream: Stream) -> None:
         """The handoff on a pull thread: claim prefill's blocks, reserve ours, copy straight across, ack.
@@ -315,7 +326,14 @@ class TritonPythonModel:
             if store is not None and store_check.due():  # a directory scan: once a second
                 self.metrics.store_bytes.set(store.nbytes())
                 self.metrics.store_evictions.set(store.evicted)
-            load_board.publish(self.board_key, self.name, self.instance, stats.in_flight, stats.blocks_total - stats.blocks_used)
+            with self._lock:
+                in_flight = stats.in_flight + self._pulling
+            load_board.publish(self.board_key, self.name, self.instance, in_flight, stats.blocks_total - stats.blocks_used,
+                               scheduled=stats.running, in_context=stats.in_context, blocks_total=stats.blocks_total,
+                               max_batch_size=self.loop.engine.config.build.max_batch_size)
+            load = load_board.model_load(self.board_key, self.name)  # every instance of the model, this one included
+            if load is not None:
+                self.backend_metrics.update(load, tpb)
             if self.agent is not None and self.agent.reclaimed > reclaimed:
                 self.metrics.reclaimed.increment(self.agent.reclaimed - reclaimed)
                 reclaimed = self.agent.reclaimed

@@ -25,7 +25,12 @@ def board_dir() -> Path:
 
 
 def board_key(repository_root: Path) -> str:
-    return hashlib.sha256(str(Path(repository_root).resolve()).encode()).hexdigest()[:12]
+    """Names a deployment's objects. A server given a board of its own ($DISAGG_LOAD_BOARD) serves a
+    deployment of its own, even from a repository another server on the machine serves (pool replicas)."""
+    ident = str(Path(repository_root).resolve())
+    if os.environ.get("DISAGG_LOAD_BOARD"):
+        ident += "\0" + str(board_dir().resolve())
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,10 @@ class Load:
     free_blocks: int
     updated: float
     pid: int = 0  # the engine instance's process (its Python backend stub)
+    scheduled: int = 0  # in the batch
+    in_context: int = 0  # in the batch, prompt not yet computed
+    blocks_total: int = 0
+    max_batch_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,10 +114,11 @@ def _path(key: str, model: str, instance: str) -> Path:
     return board_dir() / f"disagg-load-{key}-{model}-{instance}.json"
 
 
-def publish(key: str, model: str, instance: str, in_flight: int, free_blocks: int) -> None:
+def publish(key: str, model: str, instance: str, in_flight: int, free_blocks: int, **more: int) -> None:
+    """`more`: Load's other counts (scheduled, in_context, blocks_total, max_batch_size)."""
     path = _path(key, model, instance)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(Load(in_flight, free_blocks, time.time(), os.getpid()))))
+    tmp.write_text(json.dumps(asdict(Load(in_flight, free_blocks, time.time(), os.getpid(), **more))))
     os.replace(tmp, path)
 
 
@@ -140,7 +150,8 @@ def model_load(key: str, model: str) -> Load | None:
     loads = [e.load for e in entries(key, model) if e.fresh and e.process_alive]
     if not loads:
         return None
-    return Load(sum(x.in_flight for x in loads), sum(x.free_blocks for x in loads), max(x.updated for x in loads))
+    counts = ("in_flight", "free_blocks", "scheduled", "in_context", "blocks_total", "max_batch_size")
+    return Load(**{c: sum(getattr(x, c) for x in loads) for c in counts}, updated=max(x.updated for x in loads))
 
 
 class BoardView:
@@ -167,20 +178,15 @@ class BoardView:
             return self._by_model.get(model, [])
 
 
-def load_score(board: BoardView, model: str, dispatched: dict[str, int]) -> tuple[bool, int, int]:
-    """(an instance is known dead, sequences in flight, -free KV blocks) of `model`. `dispatched` counts
-    requests this orchestrator sent and still streams, which covers the time before the board shows them."""
+def load_score(board: BoardView, model: str, dispatched: int) -> tuple[bool, int, int]:
+    """(an instance is known dead, sequences in flight, -free KV blocks) of `model`: the least of these
+    is the least loaded. `dispatched` counts requests the asking orchestrator sent there and still streams,
+    which covers the time before the board shows them."""
     published = board.entries(model)  # liveness and load from the same read
     live = [e.load for e in published if e.fresh and e.process_alive]
     dead = any(e.load.pid and not e.process_alive for e in published)
-    in_flight = max(sum(x.in_flight for x in live), dispatched.get(model, 0))
+    in_flight = max(sum(x.in_flight for x in live), dispatched)
     return dead, in_flight, -sum(x.free_blocks for x in live)
-
-
-def least_loaded(board: BoardView, models: list[str], dispatched: dict[str, int]) -> str:
-    """A model none of whose instances is known dead, if there is one; among those, fewest sequences in
-    flight first, then most free KV blocks (`load_score`)."""
-    return min(models, key=lambda model: load_score(board, model, dispatched))
 
 
 def _restarts_path(key: str) -> Path:

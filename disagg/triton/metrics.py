@@ -113,6 +113,35 @@ class Metrics:
         return self._get(name, description, pb_utils.MetricFamily.HISTOGRAM, buckets=buckets)
 
 
+class BackendMetrics:
+    """The tensorrtllm backend's own gauges, under its names and labels (inflight_batcher_llm/src/
+    custom_metrics_reporter/custom_metrics_reporter.cc: families labelled `model` and `version`, one
+    series per request_type / kv_cache_block_type), so what reads them (pool replica routing,
+    dashboards) reads either backend alike. The values are the model's, all its instances together."""
+
+    REQUEST_TYPES = ("active", "max", "scheduled", "context")
+    BLOCK_TYPES = ("max", "free", "used", "tokens_per")
+
+    def __init__(self, model: str, version: str = "1"):
+        labels = {"model": model, "version": version}
+        requests = pb_utils.MetricFamily(name="nv_trt_llm_request_metrics", description="TRT LLM request metrics",
+                                         kind=pb_utils.MetricFamily.GAUGE)
+        blocks = pb_utils.MetricFamily(name="nv_trt_llm_kv_cache_block_metrics", description="TRT LLM KV cache block metrics",
+                                       kind=pb_utils.MetricFamily.GAUGE)
+        self._families = (requests, blocks)  # a Metric dies with its family
+        self.requests = {t: _Metric(requests.Metric(labels={**labels, "request_type": t})) for t in self.REQUEST_TYPES}
+        self.blocks = {t: _Metric(blocks.Metric(labels={**labels, "kv_cache_block_type": t})) for t in self.BLOCK_TYPES}
+
+    def update(self, load, tokens_per_block: int) -> None:
+        """From a load_board.Load summed over the model's live instances."""
+        for kind, value in (("active", load.in_flight), ("max", load.max_batch_size), ("scheduled", load.scheduled),
+                            ("context", load.in_context)):
+            self.requests[kind].set(value)
+        for kind, value in (("max", load.blocks_total), ("free", load.free_blocks), ("used", load.blocks_total - load.free_blocks),
+                            ("tokens_per", tokens_per_block)):
+            self.blocks[kind].set(value)
+
+
 class EngineMetrics(Metrics):
     """Gauges the engine model refreshes every 0.1 s, counters for the KV handoff."""
 

@@ -12,6 +12,8 @@ one request at a time and throws the context phase's token away, this one:
   (context_and_generation), and one whose first token is end_id is asked again that way;
 - sends each phase to the least loaded engine instance (every instance is a model of its own: fewest
   sequences in flight, then most free KV blocks, as the reference engines publish on the load board);
+  an engine model whose `engine_urls` entry names a pool (disagg.triton.replicas) is served by each of
+  the pool's live replicas, and each replica counts as an instance, with the load its metrics publish;
 - gives each hop a deadline (`prefill_timeout_s`, `decode_timeout_s`: longest wait for the next
   response) with an error that names the hop, and fails it within CANCEL_CHECK_S when the engine
   instance serving it dies (its process, as the load board names it, is gone);
@@ -48,7 +50,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg.engine.kv_cache import block_hashes
-from disagg.triton import cancel_board, credential, kv_index, load_board
+from disagg.triton import cancel_board, credential, kv_index, load_board, replicas
 from disagg.triton.contract import (
     CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
     rename_inputs,
@@ -76,12 +78,25 @@ class HopError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Engine:
+    """Where a hop goes: an engine model on one server (a pool's replica, or the one server of the model)."""
+
+    model: str
+    url: str
+    replica: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}@{self.url}" if self.replica else self.model
+
+
 @dataclass
 class Reached:
-    """Where a request went: the engine models it reached (for `stop`), and the `context_phase_params`
-    of a handoff that no generation request has been seen to take yet."""
+    """Where a request went: the engines it reached (for `stop`), and the `context_phase_params` of a
+    handoff that no generation request has been seen to take yet."""
 
-    models: list[str] = field(default_factory=list)
+    engines: list[Engine] = field(default_factory=list)
     handoff: np.ndarray | None = None
 
 
@@ -107,18 +122,18 @@ class Hop:
     them dies, the hop fails at the next check, naming it, instead of waiting out its timeout: Triton
     never answers a request whose stub was killed."""
 
-    def __init__(self, stream: EngineStream, model: str, inputs: dict[str, np.ndarray], request_id: str,
+    def __init__(self, stream: EngineStream, engine: Engine, inputs: dict[str, np.ndarray], request_id: str,
                  request_type: str, key: str, liveness: load_board.Liveness, pids: dict[int, str] | None = None,
                  own_stream: bool = False):
-        self.model, self.request_id = model, request_id
+        self.model, self.request_id = engine.name, request_id
         self.liveness, self.pids = liveness, pids or {}
         self.results_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.stream, self.own_stream = stream, own_stream
-        request = infer_request(model, request_id, inputs, {"request_type": request_type, credential.PARAMETER: key}, OUTPUTS_READ)
+        request = infer_request(engine.model, request_id, inputs, {"request_type": request_type, credential.PARAMETER: key}, OUTPUTS_READ)
         try:
             stream.send(request, self._on_response)
         except ConnectionError as exc:
-            raise HopError(f"{model}: {exc}") from None
+            raise HopError(f"{engine.name}: {exc}") from None
 
     def _on_response(self, result, error: str | None, final: bool) -> None:
         if error is not None:
@@ -268,7 +283,7 @@ class TritonPythonModel:
         remote = {**parse_engine_urls(os.environ.get(ENGINE_URLS_ENV, "")), **parse_engine_urls(model_param(args, "engine_urls"))}
         self.engine_urls = {model: remote.get(model, local) for model in self.engines}
         self.input_names = parse_input_names(model_param(args, "engine_input_names"))
-        self.dispatched: dict[str, int] = {}
+        self.dispatched: dict[Engine, int] = {}
         self.prefill_routing = model_param(args, "prefill_routing")
         self.coalesce_backlog = int(model_param(args, "coalesce_backlog"))
         self.kv_index = kv_index.IndexReader(self.board_key)
@@ -285,6 +300,14 @@ class TritonPythonModel:
         self.cancels = self.metrics.counter("disagg_orchestrator_cancelled_total", "Requests cancelled by the client")
         self._count = 0
         self._lock = threading.Lock()
+        self.pools: dict[str, replicas.ReplicaPool] = {}  # model -> its pool, for those a pool serves
+        by_source: dict[str, replicas.ReplicaPool] = {}
+        for model, url in self.engine_urls.items():
+            source = replicas.parse_source(url)
+            if source is not None:
+                if url not in by_source:
+                    by_source[url] = replicas.ReplicaPool(source, on_leave=self._replica_left)
+                self.pools[model] = by_source[url]
 
     def execute(self, requests):
         with STUB_LOCK:
@@ -322,8 +345,12 @@ class TritonPythonModel:
         try:
             try:
                 if self.mode == "aggregated":
-                    reached.models.append(self.engines[0])
-                    self._context_and_generation(self.engines[0], inputs, request_id, client, cancelled, arrival)
+                    engine = self._pick(self.engines)
+                    reached.engines.append(engine)
+                    try:
+                        self._context_and_generation(engine, inputs, request_id, client, cancelled, arrival)
+                    finally:
+                        self._done(engine)
                 else:
                     self._disaggregated(request_id, inputs, client, cancelled, arrival, reached)
                 client.finish()
@@ -349,7 +376,7 @@ class TritonPythonModel:
     def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float, reached: Reached) -> None:
         self._check_live(self.decoders)  # no prefill work (and KV to hand off) for a request no decode can take
         prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])])
-        reached.models.append(prefill)
+        reached.engines.append(prefill)
         try:
             if int(inputs["request_output_len"].reshape(-1)[0]) <= 1:  # the context phase is all of it
                 self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
@@ -370,7 +397,7 @@ class TritonPythonModel:
         tokens = [t for ids, _ in context for t in ids]
         params = next((p for _, p in reversed(context) if p is not None), None)
         if params is None or not tokens:
-            raise HopError(f"{prefill}: context-only response without its first token and context_phase_params")
+            raise HopError(f"{prefill.name}: context-only response without its first token and context_phase_params")
         reached.handoff = params
         client.emit(tokens[:1])
         self.ttft.observe(time.monotonic() - arrival)
@@ -378,7 +405,7 @@ class TritonPythonModel:
             if cancelled():
                 raise Cancelled()
         decode = self._pick(self.decoders)
-        reached.models.append(decode)
+        reached.engines.append(decode)
         try:
             with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
                 # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds
@@ -391,63 +418,107 @@ class TritonPythonModel:
         finally:
             self._done(decode)
 
-    def _context_and_generation(self, model: str, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled, arrival: float) -> None:
+    def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled, arrival: float) -> None:
         """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one."""
-        with self._hop(model, inputs, request_id, "context_and_generation") as hop:
+        with self._hop(engine, inputs, request_id, "context_and_generation") as hop:
             for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog)):
                 if n == 0:
                     self.ttft.observe(time.monotonic() - arrival)
                 client.emit(tokens)
 
-    def _pick(self, models: list[str]) -> str:
-        """The least loaded of `models` (one per engine instance); counted as dispatched until `_done`."""
+    def _candidates(self, models: list[str]) -> list[Engine]:
+        """Every engine that can serve one of `models`: its server, or each live replica of its pool.
+        HopError when the pools of all of them have no live replica."""
+        found = []
+        for model in models:
+            pool = self.pools.get(model)
+            if pool is None:
+                found.append(Engine(model, self.engine_urls[model]))
+            else:
+                found += [Engine(model, url, replica=True) for url in pool.urls()]
+        if not found:
+            sources = ", ".join(sorted({self.engine_urls[m] for m in models}))
+            raise HopError(f"{'/'.join(models)}: no replica is serving ({sources}): retry shortly")
+        return found
+
+    def _score(self, engine: Engine) -> tuple[bool, int, int]:
+        """(known dead, sequences in flight, -free KV blocks): from the load board for a model's own
+        server, from the replica's metrics for a pool's; what this orchestrator dispatched and still streams
+        counts even before either shows it. The caller holds `_lock`."""
+        dispatched = self.dispatched.get(engine, 0)
+        if not engine.replica:
+            return load_board.load_score(self.board, engine.model, dispatched)
+        load = self.pools[engine.model].load(engine.url, engine.model)
+        if load is None:  # it left the pool since the candidates were listed
+            return True, dispatched, 0
+        return False, max(load.active, dispatched), -load.free_blocks
+
+    def _pick(self, models: list[str]) -> Engine:
+        """The least loaded engine serving one of `models`; counted as dispatched until `_done`."""
+        candidates = self._candidates(models)
         with self._lock:
-            return self._dispatch(load_board.least_loaded(self.board, models, self.dispatched))
+            return self._dispatch(min(candidates, key=self._score))
 
-    def _dispatch(self, model: str) -> str:
-        """Counts `model` as dispatched (until `_done`); the caller holds `_lock`."""
-        self.dispatched[model] = self.dispatched.get(model, 0) + 1
-        return model
+    def _dispatch(self, engine: Engine) -> Engine:
+        """Counts `engine` as dispatched (until `_done`); the caller holds `_lock`."""
+        self.dispatched[engine] = self.dispatched.get(engine, 0) + 1
+        return engine
 
-    def _pick_prefill(self, prompt: np.ndarray) -> str:
+    def _pick_prefill(self, prompt: np.ndarray) -> Engine:
         """`least_loaded` as `_pick`; `random`; or `cache_aware` (the default): the prefill instance that
         would have the least to do, counting the prompt blocks it must compute (those past the longest
         prefix it holds cached, disagg.triton.kv_index) plus a whole prompt for each request it already has
         in flight, as Dynamo's KV router weighs overlap against load."""
-        if self.prefill_routing == "cache_aware" and len(self.prefills) > 1:
-            costs = self._cache_aware_costs(prompt)
+        candidates = self._candidates(self.prefills)
+        if self.prefill_routing == "cache_aware" and len(candidates) > 1:
+            costs = self._cache_aware_costs(prompt, candidates)
             if costs:  # else every instance is known dead: the least loaded, which `_hop` then refuses by name
                 with self._lock:
                     return self._dispatch(min(costs, key=costs.get))
         elif self.prefill_routing == "random":
             with self._lock:
-                return self._dispatch(self.rng.choice(self.prefills))
+                return self._dispatch(self.rng.choice(candidates))
         return self._pick(self.prefills)
 
-    def _cache_aware_costs(self, prompt: np.ndarray) -> dict[str, int]:
-        """{prefill model not known dead: prompt blocks to compute there + a whole prompt per request in flight}."""
+    def _cache_aware_costs(self, prompt: np.ndarray, candidates: list[Engine]) -> dict[Engine, int]:
+        """{prefill engine not known dead: prompt blocks to compute there + a whole prompt per request in
+        flight}. A pool's replicas publish no cache index here: for them the prompt counts whole."""
         costs, hashes_of = {}, {}  # hashes per block size: instances usually share one
-        for model in self.prefills:
+        for engine in candidates:
             with self._lock:
-                dead, in_flight, _ = load_board.load_score(self.board, model, self.dispatched)
+                dead, in_flight, _ = self._score(engine)
             if dead:
                 continue
-            tpb, held = self.kv_index.held(model)
+            tpb, held = (0, set()) if engine.replica else self.kv_index.held(engine.model)
             if tpb not in hashes_of:
                 hashes_of[tpb] = block_hashes(prompt[:-1].tolist(), tpb) if tpb else []
             hashes = hashes_of[tpb]
             matched = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
             blocks = max(1, len(hashes))
-            costs[model] = (blocks - matched) + in_flight * blocks
+            costs[engine] = (blocks - matched) + in_flight * blocks
         return costs
 
-    def _done(self, model: str) -> None:
+    def _done(self, engine: Engine) -> None:
         with self._lock:
-            self.dispatched[model] -= 1
+            self.dispatched[engine] -= 1
+            if self.dispatched[engine] or not engine.replica or engine.url in self.pools[engine.model].urls():
+                return
+            del self.dispatched[engine]
+        self._replica_left(engine.url)
+
+    def _replica_left(self, url: str) -> None:
+        """Closes the channel to a replica that left its pool once nothing of ours runs there: it cannot
+        stop while a stream of ours is open. Until then `_done` calls again as its requests end."""
+        with self._lock:
+            if any(e.url == url and n for e, n in self.dispatched.items()):
+                return
+            server = self.servers.pop(url, None)
+        if server is not None:
+            self.closer.submit(server.close)
 
     def _release(self, request_id: str, inputs: dict[str, np.ndarray], reached: Reached) -> None:
         """Frees what an ended request holds: `stop` where it went, and a handoff nobody took is drained."""
-        self._stop(request_id, reached.models)
+        self._stop(request_id, reached.engines)
         if reached.handoff is not None:
             self._quietly(lambda: self._drain(request_id, inputs, reached.handoff))
 
@@ -470,28 +541,28 @@ class TritonPythonModel:
             finally:
                 self._done(decode)
 
-    def _stop(self, request_id: str, models: list[str]) -> None:
-        """Sends `stop` for the request to each model it touched, which frees its KV there (held handoff
+    def _stop(self, request_id: str, engines: list[Engine]) -> None:
+        """Sends `stop` for the request to each engine it touched, which frees its KV there (held handoff
         included; a no-op where it is gone). A `stop` acts only on the instance it lands on, so every
-        engine instance is a model of its own and `models` names exactly where the request went."""
+        engine instance is a model of its own and `engines` names exactly where the request went."""
         stop = {
             "input_lengths": _scalar(0, np.int32),
             "request_output_len": _scalar(1, np.int32),
             "stop": _scalar(True, np.bool_),
         }
-        for model in models:
-            def send_stop(m=model):
-                with self._hop(m, stop, request_id, "context_and_generation", own_stream=True) as hop:
+        for engine in engines:
+            def send_stop(e=engine):
+                with self._hop(e, stop, request_id, "context_and_generation", own_stream=True) as hop:
                     list(hop.results(STOP_TIMEOUT_S, lambda: False))
 
             self._quietly(send_stop)
 
     @contextlib.contextmanager
-    def _hop(self, model: str, inputs: dict[str, np.ndarray], request_id: str, request_type: str, own_stream: bool = False):
-        pids = self._check_live([model])
-        server = self._server(self.engine_urls[model])
+    def _hop(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, request_type: str, own_stream: bool = False):
+        pids = {} if engine.replica else self._check_live([engine.model])
+        server = self._server(engine.url)
         stream = server.open() if own_stream else server.shared()
-        hop = Hop(stream, model, inputs, request_id, request_type, self.internal_key, self.liveness, pids, own_stream)
+        hop = Hop(stream, engine, inputs, request_id, request_type, self.internal_key, self.liveness, pids, own_stream)
         try:
             yield hop
         except BaseException:
@@ -507,8 +578,10 @@ class TritonPythonModel:
 
     def _check_live(self, models: list[str]) -> dict[int, str]:
         """The live instances' pids of `models` (as published); HopError when instances published and every
-        one has died: Triton would hold a request for a dead stub for seconds before refusing it."""
-        published = [e for m in models for e in self.board.entries(m)]
+        one has died (Triton would hold a request for a dead stub for seconds before refusing it), or when
+        no pool of theirs has a live replica."""
+        self._candidates(models)
+        published = [e for m in models if m not in self.pools for e in self.board.entries(m)]
         pids = {e.load.pid: e.instance for e in published if e.process_alive}
         if published and not pids:
             dead = ", ".join(f"{e.instance} (pid {e.load.pid})" for e in published)
@@ -532,5 +605,7 @@ class TritonPythonModel:
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.closer.shutdown(wait=False)
         self.metrics.updater.close()
+        for pool in set(self.pools.values()):
+            pool.close()
         for server in self.servers.values():
             server.close()

@@ -10,8 +10,9 @@ Sources, as an `engine_urls` value:
                                     written by `disagg-serve --announce` once ready and removed before it stops
     dns:<host>:<grpc port>:<metrics port>   every address the name resolves to (a headless Service lists
                                     only its ready pods)
-A replica joins once its metrics answer, and leaves when its source stops listing it or its metrics stop
-answering; requests already on a replica that left finish there (the orchestrator keeps their streams).
+A replica joins once its metrics answer, and leaves when its source stops listing it or its metrics have
+not answered for SILENT_S; requests already on a replica that left finish there (the orchestrator keeps
+their streams until they end).
 """
 from __future__ import annotations
 
@@ -20,15 +21,20 @@ import os
 import re
 import socket
 import threading
-import urllib.request
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.serve import metrics
+
 REFRESH_S = 0.25  # membership and load, read again this often
 SCRAPE_TIMEOUT_S = 1.0
+# A listed replica whose metrics have not answered for this long has left; a slower answer or two (a busy
+# machine) does not make it leave.
+SILENT_S = 3.0
 REQUESTS = "nv_trt_llm_request_metrics"
 KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
 
@@ -116,16 +122,17 @@ def parse_loads(text: str) -> dict[str, Load]:
 
 
 def scrape(replica: Replica) -> dict[str, Load]:
-    with urllib.request.urlopen(replica.metrics, timeout=SCRAPE_TIMEOUT_S) as response:
-        return parse_loads(response.read().decode())
+    return parse_loads(metrics.scrape(replica.metrics, SCRAPE_TIMEOUT_S))
 
 
 class ReplicaPool:
     """The live replicas of one source and their load, refreshed every REFRESH_S by a thread of its own."""
 
-    def __init__(self, source: Source, refresh_s: float = REFRESH_S):
-        self.source, self.refresh_s = source, refresh_s
-        self._loads: dict[str, dict[str, Load]] = {}  # grpc url -> {model: Load}
+    def __init__(self, source: Source, refresh_s: float = REFRESH_S, on_leave=lambda url: None):
+        """`on_leave(url)` is called (from the pool's thread) for each replica that leaves: a server that
+        stops waits for its clients' open streams to end, so the client must let go."""
+        self.source, self.refresh_s, self.on_leave = source, refresh_s, on_leave
+        self._loads: dict[str, tuple[dict[str, Load], float]] = {}  # grpc url -> ({model: Load}, when read)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.refresh()
@@ -135,12 +142,18 @@ class ReplicaPool:
     def refresh(self) -> None:
         loads = {}
         for replica in self.source.replicas():
+            now = time.monotonic()
             try:
-                loads[replica.grpc] = scrape(replica)
-            except (OSError, ValueError):
-                continue  # not serving (yet, or any more)
+                loads[replica.grpc] = (scrape(replica), now)
+            except (OSError, ValueError):  # not serving yet, any more, or just slow to answer
+                last = self._loads.get(replica.grpc)
+                if last is not None and now - last[1] < SILENT_S:
+                    loads[replica.grpc] = last
         with self._lock:
+            left = self._loads.keys() - loads.keys()
             self._loads = loads
+        for url in sorted(left):
+            self.on_leave(url)
 
     def urls(self) -> list[str]:
         with self._lock:
@@ -149,7 +162,7 @@ class ReplicaPool:
     def load(self, url: str, model: str) -> Load | None:
         """What the replica at `url` last published for `model`; None when it is not a live member."""
         with self._lock:
-            return self._loads.get(url, {}).get(model)
+            return self._loads.get(url, ({}, 0.0))[0].get(model)
 
     def _run(self) -> None:
         while not self._closed.wait(self.refresh_s):

@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass
 
 from disagg.repository import render_template, role_models
-from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_URL_ENV
+from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_METRICS_PORT, ENGINE_URL_ENV
 from disagg.spec import ROLES, DeploymentSpec, RoleSpec, SpecError
 from disagg.trtllm import versions
 from disagg.trtllm.commands import role_spec
@@ -25,7 +25,7 @@ TRTLLM_KV_BACKENDS = ("ucx", "nixl", "mpi")
 # The orchestrator cancels requests whose client went away; this bounds how long such a request keeps
 # decoding (and holding KV blocks). Upstream's default is 100 ms.
 CANCELLATION_CHECK_PERIOD_MS = 20
-PORTS = {"http": 8000, "grpc": ENGINE_GRPC_PORT, "metrics": 8002}  # launch_triton_server.py's defaults
+PORTS = {"http": 8000, "grpc": ENGINE_GRPC_PORT, "metrics": ENGINE_METRICS_PORT}  # launch_triton_server.py's defaults
 # The front node's engines' server (MPI rank 0) listens here, on loopback only: the tensorrtllm backend
 # checks no credential, so outside clients must not reach its models (a context-only request holds KV).
 PRIVATE_PORTS = {"http": 8010, "grpc": 8011, "metrics": 8012}
@@ -277,7 +277,7 @@ def _connection(spec: DeploymentSpec, node: str) -> list[str]:
     all_nodes = nodes(spec)
     grpc = PORTS["grpc"]
     if spec.pools:
-        lines = [f"Pool {node}: the front end reaches its models over gRPC at {node}:{grpc} (its Service)."]
+        lines = [f"Pool {node}: the front end reaches each replica's models over gRPC at port {grpc}, found through {node} (its Service)."]
         return lines + ([] if len(all_nodes) == 1 else
                         [f"KV blocks move between pools over {spec.kv_transfer.backend.upper()} (TRTLLM_USE_*_KVCACHE)."])
     if len(all_nodes) == 1:

@@ -1,0 +1,205 @@
+"""Pool replicas on loopback ports, discovered at run time: tritonservers join and leave a registry while
+requests run, and none of those requests fails; a replica that leaves finishes what it holds first.
+
+Each replica is a `disagg-serve --announce` of the cpu-tiny repository with a load board of its own (a
+deployment of its own on this machine, as a pod is on its node) and the deployment's shared internal key;
+the front serves the ensemble with its orchestrator's engine models named by the registries."""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from disagg.engine.sampling import NO_END_ID
+from disagg.serve import free_ports
+from disagg.serve.leftovers import names as shm_names
+from disagg.serve.metrics import scrape
+from disagg.triton.replicas import REFRESH_S, parse_loads
+from tools.stream_client import StreamError, stream
+
+pytestmark = pytest.mark.e2e
+PROMPTS = [f"pool request {i}: the quick brown fox" for i in range(4)]
+TOKENS = 24
+LONG_TOKENS, LONG_REQUESTS = 290, 6  # together seconds of decoding here: longer than a drain's first wait
+
+
+class Served:
+    """One `disagg-serve` process, its output kept; `ready()` waits for its "ready" line."""
+
+    def __init__(self, name: str, repository: Path, env: dict[str, str], *flags: str):
+        self.name = name
+        self.http, self.grpc, self.metrics = free_ports(3)
+        launcher = Path(sys.executable).parent / "disagg-serve"
+        self.proc = subprocess.Popen(
+            [str(launcher), "--model-repository", str(repository), "--http-port", str(self.http), "--grpc-port", str(self.grpc),
+             "--metrics-port", str(self.metrics), "--no-openai", "--exit-timeout-secs=20", *flags],
+            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.strip() == "disagg-serve: ready":
+                self._ready.set()
+
+    def ready(self, timeout_s: float = 120) -> Served:
+        assert self._ready.wait(timeout_s), f"{self.name} not ready:\n" + "".join(self.lines[-30:])
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    def load(self, model: str):
+        return parse_loads(scrape(f"http://127.0.0.1:{self.metrics}/metrics", 2.0)).get(model)
+
+    def inferences(self, model: str) -> int:
+        """Requests the model has completed here (Triton's nv_inference_count, as one scrape shows it)."""
+        text = scrape(f"http://127.0.0.1:{self.metrics}/metrics", 2.0)
+        prefix = f'nv_inference_count{{model="{model}",version="1"}} '
+        return next((int(float(line[len(prefix):])) for line in text.splitlines() if line.startswith(prefix)), 0)
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@pytest.fixture
+def pools(cpu_tiny_project, tmp_path):
+    """start(name, models, registry) -> a ready replica; the front is started by `front()`. All stopped after."""
+    repository = cpu_tiny_project / "model_repository"
+    key = secrets.token_hex(16)
+    registries = {"prefill": tmp_path / "registry-prefill", "decode": tmp_path / "registry-decode"}
+    started: list[Served] = []
+
+    def env(name: str) -> dict[str, str]:
+        board = tmp_path / f"board-{name}"
+        board.mkdir()
+        return {"DISAGG_INTERNAL_KEY": key, "DISAGG_LOAD_BOARD": str(board)}
+
+    def replica(name: str, role: str) -> Served:
+        served = Served(name, repository, env(name), f"--load-model={role}", f"--announce={registries[role]}")
+        started.append(served)
+        return served
+
+    def front() -> Served:
+        urls = ",".join(f"{role}=registry:{path}" for role, path in registries.items())
+        models = [f"--load-model={m}" for m in ("preprocessing", "disagg_orchestrator", "postprocessing", "ensemble")]
+        served = Served("front", repository, {**env("front"), "DISAGG_ENGINE_URLS": urls}, *models)
+        started.append(served)
+        return served
+
+    yield replica, front, registries
+    for served in reversed(started):
+        served.stop()
+
+
+def _ask(front: Served, i: int) -> str:
+    return stream(front.url, "ensemble", PROMPTS[i % len(PROMPTS)], TOKENS, end_id=NO_END_ID, timeout_s=60).text
+
+
+def test_replicas_join_and_leave_while_requests_run_and_none_fails(pools):
+    replica, front_of, registries = pools
+    before_shm = shm_names()
+    prefill = replica("prefill-1", "prefill")
+    decode_1, decode_2 = replica("decode-1", "decode"), replica("decode-2", "decode")
+    front = front_of()
+    for served in (prefill, decode_1, decode_2, front):
+        served.ready()
+    expected = [_ask(front, i) for i in range(len(PROMPTS))]  # greedy: every later answer must be the same
+    expected_long = stream(front.url, "ensemble", PROMPTS[0], LONG_TOKENS, end_id=NO_END_ID, timeout_s=60).text
+    assert all(len(text) > 0 for text in expected)
+
+    answers: dict[int, str] = {}
+    errors: list[str] = []
+    done = threading.Event()
+
+    def worker(first: int) -> None:
+        i = first
+        while not done.is_set() and i < 400:  # bounded: stops when the churn below is over
+            try:
+                answers[i] = _ask(front, i)
+            except (StreamError, TimeoutError) as exc:
+                errors.append(f"request {i}: {exc}")
+            i += 4
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(worker, w) for w in range(4)]
+        decode_3 = replica("decode-3", "decode").ready()  # joins while requests run
+        deadline = time.monotonic() + 30
+        while decode_3.inferences("decode") < 3:
+            assert time.monotonic() < deadline, "the replica that joined was never sent a request"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while not ((load := decode_1.load("decode")) and load.active > 0):  # leaves while it holds requests
+            assert time.monotonic() < deadline, "decode-1 never held a request"
+        held = load.active
+        left_at = time.monotonic()
+        decode_1.proc.send_signal(signal.SIGTERM)
+        assert decode_1.proc.wait(60) == 0, "".join(decode_1.lines[-30:])
+        drained_s = time.monotonic() - left_at
+        time.sleep(1.0)  # the remaining replicas serve on
+        done.set()
+        for future in futures:
+            future.result(120)
+
+    assert errors == []
+    assert len(answers) >= 12
+    assert all(text == expected[i % len(PROMPTS)] for i, text in answers.items())
+    assert any("left the registry" in line and "draining" in line for line in decode_1.lines), decode_1.lines[-20:]
+    (drained,) = [line for line in decode_1.lines if line.startswith("disagg-serve: drained in")]
+    assert "still held" not in drained, drained
+    print(f"decode-1 held {held} requests when told to stop; {drained.strip()}; exited after {drained_s:.1f} s; "
+          f"{len(answers)} requests, {decode_3.inferences('decode')} of them on decode-3 (joined mid-run)")
+    assert held > 0 and drained_s >= 1.0  # it left the registry, then finished the requests it held
+    assert sorted(p.name for p in registries["decode"].iterdir()) == sorted(
+        [f"127.0.0.1_{decode_2.grpc}.json", f"127.0.0.1_{decode_3.grpc}.json"])
+
+    # A replica told to stop finishes the requests it holds: long answers, started on the two decode
+    # replicas left, arrive whole although both are stopped while they run.
+    long_answers: list[str] = []
+
+    def ask_long() -> None:
+        long_answers.append(stream(front.url, "ensemble", PROMPTS[0], LONG_TOKENS, end_id=NO_END_ID, timeout_s=60).text)
+
+    asking = [threading.Thread(target=ask_long) for _ in range(LONG_REQUESTS)]
+    for thread in asking:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while sum((load := served.load("decode")) and load.active or 0 for served in (decode_2, decode_3)) < LONG_REQUESTS:
+        assert time.monotonic() < deadline, "the long requests did not all reach a decode replica"
+        time.sleep(0.01)
+    for served in (decode_2, decode_3):
+        served.proc.send_signal(signal.SIGTERM)
+    for served in (decode_2, decode_3):
+        assert served.proc.wait(60) == 0, "".join(served.lines[-20:])
+    for thread in asking:
+        thread.join(60)
+    assert long_answers == [expected_long] * LONG_REQUESTS
+    waits = [float(line.split()[3]) for served in (decode_2, decode_3) for line in served.lines if line.startswith("disagg-serve: drained in")]
+    assert len(waits) == 2 and max(waits) > 4 * REFRESH_S + 0.2, waits  # one of them waited for the long answer
+    print(f"long request drained: the two replicas' drains took {waits} s")
+
+    # With every decode replica gone, a request is refused at once, retryable, naming the pool.
+    with pytest.raises(StreamError, match=rf"decode: no replica is serving \(registry:{registries['decode']}\): retry shortly"):
+        _ask(front, 0)
+    for served in (front, prefill):
+        assert served.stop() == 0
+    leaked = {n for n in shm_names() - before_shm if n.startswith("disagg")}
+    assert leaked == set()
