@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from disagg.backend import backend_for
-from disagg.repository import ENGINE_MODELS, Model, parse_config, python_model, render_template, repo_relative, role_models
+from disagg.repository import ENGINE_MODELS, Model, parse_config, python_model, render_template, repo_relative, role_models, write_changed
 from disagg.spec import ROLES, DeploymentSpec
 from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_METRICS_PORT
 
@@ -132,11 +132,4 @@ def render_repository(spec: DeploymentSpec, out_dir: str | Path) -> list[Path]:
     `tensorrt_llm` spec also gets its MPI launch files in `<out_dir>/../launch/`. Files are written only
     when their content changes; returns the paths written (empty: already up to date). Nothing is deleted.
     """
-    written = []
-    for path, text in sorted(repository_files(spec, Path(out_dir)).items()):
-        if path.is_file() and path.read_text() == text:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        written.append(path)
-    return written
+    return write_changed(repository_files(spec, Path(out_dir)))

@@ -67,6 +67,18 @@ def environment() -> jinja2.Environment:
     return env
 
 
+def write_changed(files: dict[Path, str]) -> list[Path]:
+    """Writes each file whose content differs from what is there; returns those written. Nothing is deleted."""
+    written = []
+    for path, text in sorted(files.items()):
+        if path.is_file() and path.read_text() == text:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
 def render_template(template: str, **context) -> str:
     """Renders one template; a variable the template uses but `context` lacks raises UndefinedError."""
     return environment().get_template(template).render(**context)

@@ -35,7 +35,7 @@ class Stream:
 def _hop(orchestrator, responses: list[list[int]], error: str | None = None):
     """A hop whose engine already sent `responses` (one token list each), then an error or the final one."""
     stream = Stream()
-    hop = orchestrator.Hop(stream, "decode", {"input_ids": np.zeros((1, 2), np.int32)}, "r1", "generation_only", "key",
+    hop = orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:8001"), {"input_ids": np.zeros((1, 2), np.int32)}, "r1", "generation_only", "key",
                            orchestrator.load_board.Liveness())
     for tokens in responses:
         stream.on_response(Result(tokens), None, False)

@@ -82,6 +82,8 @@ def test_each_pool_is_a_statefulset_with_its_gpus_nodes_and_launch_script(render
         assert pod["nodeSelector"] == {"nvidia.com/gpu.product": product}
         assert sts["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
         assert triton["command"] == ["bash", f"/launch/launch-{pool}.sh"]
+        assert triton["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "10"]}}
+        assert pod["terminationGracePeriodSeconds"] >= 10 + 30  # the pre-stop wait, then Triton's exit timeout
         script = launch[f"launch-{pool}.sh"]
         roles = spec.pools[pool].roles
         loaded = set(re.findall(r"--load-model=(\w+)", script))

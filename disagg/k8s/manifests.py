@@ -17,7 +17,7 @@ import yaml
 
 from disagg.k8s.lint import lint
 from disagg.render import repository_files
-from disagg.repository import render_template
+from disagg.repository import render_template, write_changed
 from disagg.spec import DeploymentSpec, PoolSpec, with_engine_root
 from disagg.trtllm import versions
 from disagg.trtllm.render import PORTS
@@ -30,7 +30,10 @@ CONFIGMAP_LIMIT = 1 << 20  # bytes: what the API server stores in one ConfigMap
 # Engines load for minutes (weights from the claim, KV pool allocation); a pod gets this long to be ready
 # before it is restarted: 30 min for an engine pool, 10 for the front end.
 ENGINE_STARTUP_CHECKS, FRONT_STARTUP_CHECKS = 180, 60
-# Triton stops taking requests on SIGTERM and waits --exit-timeout-secs (30 by default) for those in flight.
+# An engine pod that is stopping keeps serving PRE_STOP_S while every front's orchestrator re-resolves its
+# pool's name (every 0.25 s; CoreDNS gives Service records a 5 s TTL) and stops sending it requests; then
+# Triton stops taking requests and waits --exit-timeout-secs (30 by default) for those in flight.
+PRE_STOP_S = 10
 GRACE_S = 60
 ENGINE_SHM, FRONT_SHM = "16Gi", "2Gi"
 
@@ -61,6 +64,7 @@ class Workload:
     claims: list[tuple[str, str]]  # (volume, claim name)
     shm: str
     grace_s: int = GRACE_S
+    pre_stop_s: int = 0
     gpus: int = 0
     hardware: str = "cpu"
     roles: tuple[str, ...] = ()
@@ -109,7 +113,7 @@ def pool_workload(spec: DeploymentSpec, pool: PoolSpec) -> Workload:
     return Workload(
         name=pool.name, replicas=pool.replicas, labels=_labels(spec, pool.name, "engine"),
         selector=_selector(spec, pool.name), containers=[triton], claims=[("engines", k8s.engines_claim)],
-        shm=ENGINE_SHM, gpus=gpus, hardware=pool.hardware, roles=pool.roles,
+        shm=ENGINE_SHM, pre_stop_s=PRE_STOP_S, gpus=gpus, hardware=pool.hardware, roles=pool.roles,
         node_selector=dict(pool.node_selector), host_network=k8s.host_network, capabilities=capabilities,
     )
 
@@ -193,12 +197,4 @@ def render_manifests(spec: DeploymentSpec) -> dict[str, str]:
 
 def write_manifests(spec: DeploymentSpec, out_dir: str | Path) -> list[Path]:
     """Writes the manifests into `out_dir` (default beside the repository: k8s/); returns the files changed."""
-    written = []
-    for name, text in render_manifests(spec).items():
-        path = Path(out_dir) / name
-        if path.is_file() and path.read_text() == text:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        written.append(path)
-    return written
+    return write_changed({Path(out_dir) / name: text for name, text in render_manifests(spec).items()})
