@@ -33,6 +33,8 @@ HARDWARE = {
 }
 FRONT_SERVICE_TYPES = ("ClusterIP", "LoadBalancer", "NodePort")
 _DNS_LABEL = "^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"  # Kubernetes object names (RFC 1035 labels)
+# A pool names a StatefulSet, whose pods carry a controller-revision-hash label of name + 11 characters.
+_POOL_NAME = "^[a-z]([-a-z0-9]{0,50}[a-z0-9])?$"
 _QUANTITY = "^[0-9]+(\\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$"
 
 
@@ -132,7 +134,7 @@ SCHEMA = {
         "pools": {
             "type": "object",
             "minProperties": 1,
-            "propertyNames": {"pattern": _DNS_LABEL},
+            "propertyNames": {"pattern": _POOL_NAME},
             "additionalProperties": {
                 "type": "object",
                 "additionalProperties": False,

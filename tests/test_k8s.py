@@ -82,8 +82,9 @@ def test_each_pool_is_a_statefulset_with_its_gpus_nodes_and_launch_script(render
         assert pod["nodeSelector"] == {"nvidia.com/gpu.product": product}
         assert sts["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
         assert triton["command"] == ["bash", f"/launch/launch-{pool}.sh"]
-        assert triton["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "10"]}}
-        assert pod["terminationGracePeriodSeconds"] >= 10 + 30  # the pre-stop wait, then Triton's exit timeout
+        assert triton["lifecycle"]["preStop"] == {"exec": {"command": [
+            "python3", "-m", "disagg.k8s.prestop", "--metrics", "http://127.0.0.1:8002/metrics", "--after", "10", "--timeout", "40"]}}
+        assert pod["terminationGracePeriodSeconds"] >= 10 + 40  # the hook's waits come out of the grace period
         script = launch[f"launch-{pool}.sh"]
         roles = spec.pools[pool].roles
         loaded = set(re.findall(r"--load-model=(\w+)", script))
@@ -225,13 +226,19 @@ def test_a_release_that_pins_mpi_is_refused_across_pools_and_served_in_one(tmp_p
                                         r"between the pools, or put both roles in one pool"):
         manifests.render_manifests(_spec(tmp_path, lambda raw: raw.update(trtllm_release="1.0") or raw["kv_transfer"].update(backend="mpi")))
 
-    def one_pool(raw):
-        raw.update(trtllm_release="1.0", pools={"h200": {"roles": ["prefill", "decode"], "hardware": "h200", "replicas": 2}})
-        raw["kv_transfer"]["backend"] = "mpi"
-        raw["roles"]["prefill"].update(instances=2, devices=[[0, 1], [2, 3]])
-        raw["roles"]["decode"]["devices"] = [[4, 5, 6, 7]]
+    def one_pool(replicas):
+        def edit(raw):
+            raw.update(trtllm_release="1.0", pools={"h200": {"roles": ["prefill", "decode"], "hardware": "h200", "replicas": replicas}})
+            raw["kv_transfer"]["backend"] = "mpi"
+            raw["roles"]["prefill"].update(instances=2, devices=[[0, 1], [2, 3]])
+            raw["roles"]["decode"]["devices"] = [[4, 5, 6, 7]]
+        return edit
 
-    docs = _documents(manifests.render_manifests(_spec(tmp_path, one_pool)))
+    # Replicas of it would not do: a request's decode may go to another pod than its prefill.
+    with pytest.raises(SpecError, match=r"^pools.h200.replicas: 2: with 'mpi' KV stays inside one pod's MPI world, .*"
+                                        r"use replicas: 1, or put prefill and decode in pools of their own with ucx"):
+        manifests.render_manifests(_spec(tmp_path, one_pool(2)))
+    docs = _documents(manifests.render_manifests(_spec(tmp_path, one_pool(1))))
     pod = _find(docs, "StatefulSet", "h200")["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     script = _find(docs, "ConfigMap", "launch")["data"]["launch-h200.sh"]

@@ -125,10 +125,16 @@ def test_replicas_join_and_leave_while_requests_run_and_none_fails(pools):
         served.ready()
     expected = [_ask(front, i) for i in range(len(PROMPTS))]  # greedy: every later answer must be the same
     expected_long = stream(front.url, "ensemble", PROMPTS[0], LONG_TOKENS, end_id=NO_END_ID, timeout_s=60).text
-    # Idle, each replica's engine reports as the tensorrtllm backend does (custom_metrics_reporter.cc).
-    families = {(s.name, s.labels.get("request_type") or s.labels.get("kv_cache_block_type")): (s.labels, s.value)
-                for f in text_string_to_metric_families(scrape(f"http://127.0.0.1:{decode_2.metrics}/metrics", 2.0))
-                for s in f.samples if s.name.startswith("nv_trt_llm_")}
+    # Idle, each replica's engine reports as the tensorrtllm backend does (custom_metrics_reporter.cc); the
+    # gauges follow the engine every 0.1 s, so the last answer's blocks may still show for a moment.
+    deadline = time.monotonic() + 5
+    while True:
+        families = {(s.name, s.labels.get("request_type") or s.labels.get("kv_cache_block_type")): (s.labels, s.value)
+                    for f in text_string_to_metric_families(scrape(f"http://127.0.0.1:{decode_2.metrics}/metrics", 2.0))
+                    for s in f.samples if s.name.startswith("nv_trt_llm_")}
+        if families[("nv_trt_llm_kv_cache_block_metrics", "used")][1] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert {key: value for key, (labels, value) in families.items()} == {
         ("nv_trt_llm_request_metrics", "active"): 0, ("nv_trt_llm_request_metrics", "max"): 32,
         ("nv_trt_llm_request_metrics", "scheduled"): 0, ("nv_trt_llm_request_metrics", "context"): 0,

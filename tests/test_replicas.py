@@ -132,3 +132,51 @@ def test_a_replica_whose_metrics_go_quiet_stays_a_moment_then_leaves(tmp_path, m
         assert left == ["127.0.0.1:9101"]
     finally:
         pool.close()
+
+
+def test_an_engine_pods_prestop_waits_until_its_engines_hold_no_request(metrics_server, monkeypatch):
+    from disagg.k8s import prestop
+
+    monkeypatch.setattr(prestop, "POLL_S", 0.02)
+    url, body = metrics_server
+    idle = EXPOSITION.replace('request_type="active",version="1"} 5', 'request_type="active",version="1"} 0').replace(
+        'model="decode_1",request_type="active",version="1"} 1', 'model="decode_1",request_type="active",version="1"} 0')
+    threading.Timer(0.4, lambda: body.__setitem__(0, idle)).start()
+    started = time.monotonic()
+    assert prestop.wait_idle(url, after_s=0.1, timeout_s=5) == 0
+    assert 0.4 <= time.monotonic() - started < 2
+    body[0] = EXPOSITION
+    assert prestop.wait_idle(url, after_s=0, timeout_s=0.3) == 6  # still busy when its time is up: decode 5 + decode_1 1
+    assert prestop.wait_idle("http://127.0.0.1:9/metrics", after_s=0, timeout_s=1) == 0  # its server is gone
+
+
+def test_a_host_named_like_a_source_is_a_host(tmp_path):
+    assert parse_source("registry:8001") is None and parse_source("dns:8001") is None and parse_source("registry:") is None
+    assert isinstance(parse_source(f"registry:{tmp_path}"), RegistrySource)
+
+
+def test_the_pool_keeps_following_its_replicas_whatever_a_scrape_or_a_listener_raises(tmp_path, metrics_server, monkeypatch):
+    import http.client
+
+    url, _ = metrics_server
+    announce(tmp_path, Replica("127.0.0.1:9101", url))
+    calls = []
+
+    def leave(url):
+        calls.append(url)
+        raise RuntimeError("listener broke")
+
+    pool = ReplicaPool(RegistrySource(str(tmp_path)), refresh_s=0.05, on_leave=leave)
+    try:
+        real = replicas.scrape
+        monkeypatch.setattr(replicas, "scrape", lambda r: (_ for _ in ()).throw(http.client.IncompleteRead(b"")))
+        time.sleep(0.2)
+        assert pool.urls() == ["127.0.0.1:9101"]  # one cut-off answer is not leaving
+        monkeypatch.setattr(replicas, "scrape", real)
+        (tmp_path / "127.0.0.1_9101.json").unlink()
+        _until(lambda: pool.urls() == [])
+        announce(tmp_path, Replica("127.0.0.1:9201", url))
+        _until(lambda: pool.urls() == ["127.0.0.1:9201"])  # the thread lived through both
+        assert calls == ["127.0.0.1:9101"]
+    finally:
+        pool.close()

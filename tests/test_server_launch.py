@@ -249,3 +249,12 @@ def test_the_server_command_turns_config_auto_completion_off_unless_asked(tmp_pa
 
     assert "--disable-auto-complete-config" in command()
     assert "--disable-auto-complete-config" not in command(auto_complete=True)
+
+
+def test_a_replica_needs_a_load_board_of_its_own(monkeypatch, capsys, tmp_path):
+    from disagg.serve.launcher import main
+
+    monkeypatch.delenv("DISAGG_LOAD_BOARD", raising=False)
+    assert main(["--model-repository", str(tmp_path), f"--announce={tmp_path / 'registry'}"]) == 2
+    assert "--announce: set DISAGG_LOAD_BOARD to a directory of this replica's own" in capsys.readouterr().err
+    assert not (tmp_path / "registry").exists()

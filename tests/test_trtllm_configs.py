@@ -151,10 +151,14 @@ def test_h200_launch_script(h200):
     assert len(segments) == 9  # 1 orchestrator + prefill 1 x TP4 + decode 2 x TP2
     assert "One MPI world of 9 ranks" in script
     repo = "--model-repository=$MODEL_REPOSITORY"
+    restricted = [f"--{flag}=model-repository,shared-memory,logging,trace:triton-admin-key=$ADMIN_KEY"
+                  for flag in ("http-restricted-api", "grpc-restricted-protocol")]
     for rank, argv in enumerate(segments):
         assert argv[:2] == ["tritonserver", repo]
         assert "--disable-auto-complete-config" in argv
-        assert argv[-1] == f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"
+        # Only a server with ports has APIs to restrict: the repository API loads models sent with the request.
+        tail = argv[-3:] if rank == 0 else [argv[-1], *restricted]
+        assert tail == [f"--backend-config=python,shm-region-prefix-name=prefix{rank}_", *restricted]
     loads = [[a for a in argv if a.startswith("--load-model=")] for argv in segments]
     assert loads == [["--load-model=prefill", "--load-model=decode", "--load-model=decode_1"]] + \
         [["--load-model=prefill"]] * 4 + [["--load-model=decode"]] * 2 + [["--load-model=decode_1"]] * 2
@@ -172,6 +176,8 @@ def test_h200_launch_script(h200):
         "--load-model=postprocessing", "--load-model=disagg_orchestrator", "--load-model=ensemble",
     ]  # fmt: skip
     assert not any("-address=" in a for a in front)
+    assert front[-2:] == restricted
+    assert 'ADMIN_KEY="${TRITON_ADMIN_KEY:-$(od -An -N16 -tx1 /dev/urandom | tr -d \' \\n\')}"' in script
     assert _exports(script) == {
         "DISAGG_ENGINE_GRPC_URL": "127.0.0.1:8011",
         "TRTLLM_ORCHESTRATOR": "1",
@@ -214,7 +220,7 @@ def test_two_pools_get_one_script_and_world_each(tmp_path):
     assert len(front) == len(back) == 9  # 1 + 4 x TP2, and 1 + 2 x TP4
     # Rank 0 of the first pool serves its engines on loopback, beside the front's own server; the decode
     # pool's serves its engines on 8001, where the front's orchestrator calls them.
-    assert [a for a in front[0] if a.startswith("--load-model=") or a.startswith("--grpc-")] == [
+    assert [a for a in front[0] if a.startswith(("--load-model=", "--grpc-port", "--grpc-address"))] == [
         "--grpc-port=8011", "--grpc-address=127.0.0.1", "--load-model=prefill", "--load-model=prefill_1",
         "--load-model=prefill_2", "--load-model=prefill_3",
     ]  # fmt: skip
@@ -222,7 +228,7 @@ def test_two_pools_get_one_script_and_world_each(tmp_path):
     assert [a for a in shlex.split(front_server) if a.startswith("--load-model=")] == [
         "--load-model=preprocessing", "--load-model=postprocessing", "--load-model=disagg_orchestrator", "--load-model=ensemble",
     ]  # fmt: skip
-    assert [a for a in back[0] if a.startswith("--load-model=") or a.startswith("--grpc-")] == [
+    assert [a for a in back[0] if a.startswith(("--load-model=", "--grpc-port", "--grpc-address"))] == [
         "--grpc-port=8001", "--load-model=decode", "--load-model=decode_1",
     ]  # fmt: skip
     assert "exec mpirun" in scripts["launch-decode-pool.sh"] and "\ntritonserver " not in scripts["launch-decode-pool.sh"]

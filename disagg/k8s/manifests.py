@@ -31,9 +31,10 @@ CONFIGMAP_LIMIT = 1 << 20  # bytes: what the API server stores in one ConfigMap
 # before it is restarted: 30 min for an engine pool, 10 for the front end.
 ENGINE_STARTUP_CHECKS, FRONT_STARTUP_CHECKS = 180, 60
 # An engine pod that is stopping keeps serving PRE_STOP_S while every front's orchestrator re-resolves its
-# pool's name (every 0.25 s; CoreDNS gives Service records a 5 s TTL) and stops sending it requests; then
-# Triton stops taking requests and waits --exit-timeout-secs (30 by default) for those in flight.
-PRE_STOP_S = 10
+# pool's name (every 0.25 s; CoreDNS gives Service records a 5 s TTL) and stops sending it requests, then
+# waits up to DRAIN_S for the requests it holds (disagg.k8s.prestop), all before SIGTERM: mpirun passes
+# that to every rank at once. A front pod waits FRONT_PRE_STOP_S while its Service stops sending it clients.
+PRE_STOP_S, DRAIN_S, FRONT_PRE_STOP_S = 10, 40, 5
 GRACE_S = 60
 ENGINE_SHM, FRONT_SHM = "16Gi", "2Gi"
 
@@ -64,7 +65,7 @@ class Workload:
     claims: list[tuple[str, str]]  # (volume, claim name)
     shm: str
     grace_s: int = GRACE_S
-    pre_stop_s: int = 0
+    pre_stop: list[str] = field(default_factory=list)  # the preStop hook's command
     gpus: int = 0
     hardware: str = "cpu"
     roles: tuple[str, ...] = ()
@@ -113,7 +114,9 @@ def pool_workload(spec: DeploymentSpec, pool: PoolSpec) -> Workload:
     return Workload(
         name=pool.name, replicas=pool.replicas, labels=_labels(spec, pool.name, "engine"),
         selector=_selector(spec, pool.name), containers=[triton], claims=[("engines", k8s.engines_claim)],
-        shm=ENGINE_SHM, pre_stop_s=PRE_STOP_S, gpus=gpus, hardware=pool.hardware, roles=pool.roles,
+        shm=ENGINE_SHM, gpus=gpus,
+        pre_stop=["python3", "-m", "disagg.k8s.prestop", "--metrics", f"http://127.0.0.1:{PORTS['metrics']}/metrics",
+                  "--after", str(PRE_STOP_S), "--timeout", str(DRAIN_S)], hardware=pool.hardware, roles=pool.roles,
         node_selector=dict(pool.node_selector), host_network=k8s.host_network, capabilities=capabilities,
     )
 
@@ -134,7 +137,7 @@ def front_workload(spec: DeploymentSpec) -> Workload:
     )
     return Workload(
         name="front", replicas=front.replicas, labels=_labels(spec, "front", "front"), selector=_selector(spec, "front"),
-        containers=[triton, openai], claims=[("model", k8s.model_claim)], shm=FRONT_SHM,
+        containers=[triton, openai], claims=[("model", k8s.model_claim)], shm=FRONT_SHM, pre_stop=["sleep", str(FRONT_PRE_STOP_S)],
     )
 
 

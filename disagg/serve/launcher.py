@@ -37,6 +37,7 @@ stopped sending it requests and its engines have finished the ones they hold (at
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -189,15 +190,21 @@ class Servers:
         deadline = time.monotonic() + timeout_s
         time.sleep(min(timeout_s, 4 * replicas.REFRESH_S))
         models = [e.name for e in engine_models(self.repository)]
+        quiet = 0  # readings in a row with nothing held: the board is published every 0.1 s
         while True:
-            held = sum(load.in_flight for m in models if (load := load_board.model_load(self.key, m)) is not None)
-            if not held or time.monotonic() > deadline:
+            held = sum(load.in_flight + load.held for m in models if (load := load_board.model_load(self.key, m)) is not None)
+            quiet = 0 if held else quiet + 1
+            if quiet >= 3 or time.monotonic() > deadline:
                 return held
             time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
     args, passthrough = _parser().parse_known_args(argv)
+    if args.announce and not os.environ.get(load_board.BOARD_ENV):
+        print(f"{_PREFIX} error: --announce: set {load_board.BOARD_ENV} to a directory of this replica's own: servers of one "
+              "repository on one machine otherwise share their load board and shared-memory objects", file=sys.stderr)
+        return 2
     signalled: list[int] = []
     servers = Servers(args, passthrough, signalled)
     main_server = servers.main.server
@@ -212,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     entry: list[Path] = []  # this replica's registry entry, while it is listed
 
     def forward(signum: int, _frame=None) -> None:
-        if entry and not signalled:  # a replica leaves its pool and drains first; a second signal stops at once
-            signalled.append(signum)
+        if entry:  # a replica leaves its pool and drains first; a second signal stops at once
             entry.pop().unlink(missing_ok=True)
             print(f"{_PREFIX} left the registry {args.announce}: draining", flush=True)
             def drain_then_stop() -> None:

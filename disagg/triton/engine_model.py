@@ -327,9 +327,10 @@ class TritonPythonModel:
                 self.metrics.store_bytes.set(store.nbytes())
                 self.metrics.store_evictions.set(store.evicted)
             with self._lock:
-                in_flight = stats.in_flight + self._pulling
-            load_board.publish(self.board_key, self.name, self.instance, in_flight, stats.blocks_total - stats.blocks_used,
-                               scheduled=stats.running, in_context=stats.in_context, blocks_total=stats.blocks_total,
+                pulling = self._pulling
+            load_board.publish(self.board_key, self.name, self.instance, stats.in_flight + pulling, stats.blocks_total - stats.blocks_used,
+                               scheduled=stats.running, in_context=stats.in_context, active=stats.running + pulling,
+                               held=stats.held, blocks_total=stats.blocks_total,
                                max_batch_size=self.loop.engine.config.build.max_batch_size)
             load = load_board.model_load(self.board_key, self.name)  # every instance of the model, this one included
             if load is not None:

@@ -20,15 +20,18 @@ from pathlib import Path
 STALE_S = 2.0
 
 
+BOARD_ENV = "DISAGG_LOAD_BOARD"
+
+
 def board_dir() -> Path:
-    return Path(os.environ.get("DISAGG_LOAD_BOARD", "/dev/shm"))
+    return Path(os.environ.get(BOARD_ENV, "/dev/shm"))
 
 
 def board_key(repository_root: Path) -> str:
     """Names a deployment's objects. A server given a board of its own ($DISAGG_LOAD_BOARD) serves a
     deployment of its own, even from a repository another server on the machine serves (pool replicas)."""
     ident = str(Path(repository_root).resolve())
-    if os.environ.get("DISAGG_LOAD_BOARD"):
+    if os.environ.get(BOARD_ENV):
         ident += "\0" + str(board_dir().resolve())
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
@@ -41,6 +44,8 @@ class Load:
     pid: int = 0  # the engine instance's process (its Python backend stub)
     scheduled: int = 0  # in the batch
     in_context: int = 0  # in the batch, prompt not yet computed
+    active: int = 0  # in the batch or claiming their KV: TensorRT-LLM's active requests (not the queued)
+    held: int = 0  # context phases done, their KV held for a decode to take
     blocks_total: int = 0
     max_batch_size: int = 0
 
@@ -115,7 +120,7 @@ def _path(key: str, model: str, instance: str) -> Path:
 
 
 def publish(key: str, model: str, instance: str, in_flight: int, free_blocks: int, **more: int) -> None:
-    """`more`: Load's other counts (scheduled, in_context, blocks_total, max_batch_size)."""
+    """`more`: Load's other counts (scheduled, in_context, active, held, blocks_total, max_batch_size)."""
     path = _path(key, model, instance)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(Load(in_flight, free_blocks, time.time(), os.getpid(), **more))))
@@ -150,7 +155,7 @@ def model_load(key: str, model: str) -> Load | None:
     loads = [e.load for e in entries(key, model) if e.fresh and e.process_alive]
     if not loads:
         return None
-    counts = ("in_flight", "free_blocks", "scheduled", "in_context", "blocks_total", "max_batch_size")
+    counts = ("in_flight", "free_blocks", "scheduled", "in_context", "active", "held", "blocks_total", "max_batch_size")
     return Load(**{c: sum(getattr(x, c) for x in loads) for c in counts}, updated=max(x.updated for x in loads))
 
 

@@ -134,7 +134,7 @@ class BackendMetrics:
 
     def update(self, load, tokens_per_block: int) -> None:
         """From a load_board.Load summed over the model's live instances."""
-        for kind, value in (("active", load.in_flight), ("max", load.max_batch_size), ("scheduled", load.scheduled),
+        for kind, value in (("active", load.active), ("max", load.max_batch_size), ("scheduled", load.scheduled),
                             ("context", load.in_context)):
             self.requests[kind].set(value)
         for kind, value in (("max", load.blocks_total), ("free", load.free_blocks), ("used", load.blocks_total - load.free_blocks),

@@ -512,6 +512,8 @@ class TritonPythonModel:
         with self._lock:
             if any(e.url == url and n for e, n in self.dispatched.items()):
                 return
+            for engine in [e for e in self.dispatched if e.url == url]:
+                del self.dispatched[engine]
             server = self.servers.pop(url, None)
         if server is not None:
             self.closer.submit(server.close)
@@ -529,17 +531,19 @@ class TritonPythonModel:
         take = {**inputs, "request_output_len": _scalar(1, np.int32), "context_phase_params": params.reshape(1, -1)}
         deadline = time.monotonic() + DRAIN_WAIT_S
         while True:
-            decode = self._pick(self.decoders)
+            decode = None
             try:
+                decode = self._pick(self.decoders)
                 with self._hop(decode, take, f"{request_id}-drain", "generation_only") as hop:
                     list(hop.results(STOP_TIMEOUT_S, lambda: False))
                 return
-            except HopError as exc:  # every decode instance dead: wait for one to be reloaded
-                if "no live engine instance" not in str(exc) or time.monotonic() > deadline:
+            except HopError as exc:  # every decode instance dead, or no replica listed: wait for one
+                if not any(m in str(exc) for m in ("no live engine instance", "no replica is serving")) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
             finally:
-                self._done(decode)
+                if decode is not None:
+                    self._done(decode)
 
     def _stop(self, request_id: str, engines: list[Engine]) -> None:
         """Sends `stop` for the request to each engine it touched, which frees its KV there (held handoff
@@ -556,6 +560,8 @@ class TritonPythonModel:
                     list(hop.results(STOP_TIMEOUT_S, lambda: False))
 
             self._quietly(send_stop)
+            if engine.replica and engine.url not in self.pools[engine.model].urls():
+                self._replica_left(engine.url)  # the stop opened its channel again
 
     @contextlib.contextmanager
     def _hop(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, request_type: str, own_stream: bool = False):
@@ -607,5 +613,7 @@ class TritonPythonModel:
         self.metrics.updater.close()
         for pool in set(self.pools.values()):
             pool.close()
-        for server in self.servers.values():
+        with self._lock:
+            servers = list(self.servers.values())
+        for server in servers:
             server.close()

@@ -47,7 +47,7 @@ class Replica:
 
 @dataclass(frozen=True)
 class Load:
-    active: int  # requests in its engine (admitted or queued)
+    active: int  # requests in its engine's batch (TensorRT-LLM's active requests; the queued are not counted)
     free_blocks: int
 
 
@@ -84,9 +84,11 @@ class DnsSource(Source):
     def replicas(self) -> list[Replica]:
         try:
             infos = socket.getaddrinfo(self.host, self.grpc_port, type=socket.SOCK_STREAM)
-        except socket.gaierror:
+        except (OSError, UnicodeError):
             return []  # no ready replica: the name has no address
-        addresses = sorted({info[4][0] for info in infos})
+        # A dual-stack pod has an IPv4 and an IPv6 address: one replica, listed once (by its IPv4 one).
+        v4 = {info[4][0] for info in infos if info[0] == socket.AF_INET}
+        addresses = sorted(v4 or {info[4][0] for info in infos})
         return [Replica(f"{_host(a)}:{self.grpc_port}", f"http://{_host(a)}:{self.metrics_port}/metrics") for a in addresses]
 
 
@@ -95,13 +97,14 @@ def _host(address: str) -> str:
 
 
 def parse_source(value: str) -> Source | None:
-    """The source an `engine_urls` value names; None for a plain host:port (one fixed server)."""
+    """The source an `engine_urls` value names (`registry:/absolute/dir`, `dns:host:port:port`); None for a
+    plain host:port, one fixed server (a host may be called `registry` or `dns`)."""
     kind, _, rest = value.partition(":")
-    if kind == "registry":
+    if kind == "registry" and rest.startswith("/"):
         return RegistrySource(rest)
-    if kind == "dns":
-        host, grpc_port, metrics_port = rest.rsplit(":", 2)
-        return DnsSource(host, int(grpc_port), int(metrics_port))
+    parts = rest.rsplit(":", 2)
+    if kind == "dns" and len(parts) == 3 and parts[0] and parts[1].isdigit() and parts[2].isdigit():
+        return DnsSource(parts[0], int(parts[1]), int(parts[2]))
     return None
 
 
@@ -145,7 +148,7 @@ class ReplicaPool:
             now = time.monotonic()
             try:
                 loads[replica.grpc] = (scrape(replica), now)
-            except (OSError, ValueError):  # not serving yet, any more, or just slow to answer
+            except Exception:  # noqa: BLE001 - not serving yet, any more (a cut-off answer), or just slow
                 last = self._loads.get(replica.grpc)
                 if last is not None and now - last[1] < SILENT_S:
                     loads[replica.grpc] = last
@@ -153,7 +156,10 @@ class ReplicaPool:
             left = self._loads.keys() - loads.keys()
             self._loads = loads
         for url in sorted(left):
-            self.on_leave(url)
+            try:
+                self.on_leave(url)
+            except Exception:  # noqa: BLE001 - the pool must go on following its replicas whatever the listener does
+                pass
 
     def urls(self) -> list[str]:
         with self._lock:
@@ -166,7 +172,10 @@ class ReplicaPool:
 
     def _run(self) -> None:
         while not self._closed.wait(self.refresh_s):
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a source that failed once (its directory, the resolver) is asked again
+                pass
 
     def close(self) -> None:
         self._closed.set()

@@ -160,6 +160,14 @@ def check_spec(spec: DeploymentSpec) -> None:
                f"TensorRT-LLM {release.name} has no other transport in Triton; set trtllm_release to {' or '.join(ucx)} "
                "and use ucx between the pools, or put both roles " + ("in one pool" if spec.pools else "on one node")),
         )
+    both = [p for p in spec.pools.values() if {"prefill", "decode"} <= set(p.roles)]
+    if kv == "mpi" and both and both[0].replicas > 1:
+        raise SpecError(
+            f"pools.{both[0].name}.replicas",
+            f"{both[0].replicas}: with 'mpi' KV stays inside one pod's MPI world, but the orchestrator may send a "
+            "request's decode to another replica than its prefill: use replicas: 1, or put prefill and decode in "
+            "pools of their own with ucx (TensorRT-LLM 0.19 or 0.20), which scale apart",
+        )
     for role in _roles(spec):
         if role.enable_chunked_context and not release.chunked_context:
             raise SpecError(f"roles.{role.name}.enable_chunked_context", f"TensorRT-LLM {release.name}'s Triton backend has no chunked context")
@@ -237,6 +245,14 @@ def _engine_config(spec: DeploymentSpec, role: RoleSpec, name: str, mine: list[I
 # The launch script finds the repository beside itself (launch/ sits next to it), so the pair can be
 # copied to the serving host as they are; MODEL_REPOSITORY overrides it.
 REPOSITORY_ARG = '--model-repository="$MODEL_REPOSITORY"'
+# Every server with ports runs in explicit model-control mode, whose repository API loads a model from files
+# sent with the request (a Python model.py runs what it is given), and the shared-memory, logging and trace
+# APIs reach the pod's memory and files. They answer only requests carrying this header, whose value the
+# launch script draws at random unless $TRITON_ADMIN_KEY gives one: nothing here needs them.
+ADMIN_HEADER = "triton-admin-key"
+RESTRICTED = "model-repository,shared-memory,logging,trace"
+RESTRICT_ARGS = (f'--http-restricted-api={RESTRICTED}:{ADMIN_HEADER}="$ADMIN_KEY" '
+                 f'--grpc-restricted-protocol={RESTRICTED}:{ADMIN_HEADER}="$ADMIN_KEY"')
 
 
 def _server_argv(load: list[str], shm_prefix: str, ports: dict[str, int] | None, address: str | None = None) -> str:
@@ -248,7 +264,7 @@ def _server_argv(load: list[str], shm_prefix: str, ports: dict[str, int] | None,
         argv += [f"--{kind}-address={address}" for kind in ports]
     argv += ["--model-control-mode=explicit", *(f"--load-model={name}" for name in load)]
     argv += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name={shm_prefix}"]
-    return " ".join([argv[0], REPOSITORY_ARG, *map(shlex.quote, argv[1:])])
+    return " ".join([argv[0], REPOSITORY_ARG, *map(shlex.quote, argv[1:]), *([RESTRICT_ARGS] if ports else [])])
 
 
 def _environment_vars(spec: DeploymentSpec) -> list[tuple[str, str]]:
