@@ -52,10 +52,9 @@ from disagg.serve.server import ServerError, TritonServer, free_ports
 from disagg.serve.supervisor import PREFIX as _PREFIX
 from disagg.serve.supervisor import Supervised
 from disagg.serve.watchdog import Watchdog
-from disagg.triton.contract import ENGINE_URLS_ENV
 from disagg.triton import load_board, replicas
+from disagg.triton.contract import ENGINE_URLS_ENV
 from disagg.triton.credential import internal_key
-from disagg.triton.load_board import board_key
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,7 +118,7 @@ class Servers:
     def __init__(self, args, passthrough: list[str], signalled: list[int]):
         first, *more = args.model_repository
         self.repository = Path(first)
-        self.key = board_key(self.repository)
+        self.key = load_board.board_key(self.repository)
         chooses_address = any(a.split("=")[0] in ("--http-address", "--grpc-address", "--metrics-address") for a in passthrough)
         self.controlled = _flag_value(passthrough, "--model-control-mode") is None  # else the user steers the models
         if self.controlled:  # --load-model flags then say which models to serve
@@ -222,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if entry:  # a replica leaves its pool and drains first; a second signal stops at once
             entry.pop().unlink(missing_ok=True)
             print(f"{_PREFIX} left the registry {args.announce}: draining", flush=True)
+
             def drain_then_stop() -> None:
                 started = time.monotonic()
                 held = servers.drain(args.exit_timeout_secs)
