@@ -13,6 +13,7 @@ Models:
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from disagg.backend import backend_for
@@ -73,6 +74,8 @@ def _entry_models(spec: DeploymentSpec) -> list[Model]:
         "prefill_routing": o.prefill_routing,
         "coalesce_backlog": o.coalesce_backlog,
         "max_in_flight": o.max_in_flight,
+        "service_classes": json.dumps({name: {"ttft_ms": ttft, "tpot_ms": tpot} for name, ttft, tpot in o.service_classes}),
+        "default_service_class": o.default_service_class,
         "engine_urls": engine_urls(spec),
         # inputs the engines' release reads under older names ("seed=random_seed" on TensorRT-LLM 0.17/0.18)
         "engine_input_names": ",".join(f"{new}={old}" for new, old in backend_for(spec).engine_input_names(spec).items()),

@@ -129,6 +129,20 @@ SCHEMA = {
                 "decode_timeout_s": {"type": "number", "exclusiveMinimum": 0},
                 "prefill_routing": {"enum": list(PREFILL_ROUTING)},
                 "coalesce_backlog": {"type": "integer", "minimum": 0},
+                "service_classes": {
+                    "type": "object",
+                    "minProperties": 1,
+                    "propertyNames": {"pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
+                    "additionalProperties": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "ttft_ms": {"type": "number", "exclusiveMinimum": 0},
+                            "tpot_ms": {"type": "number", "exclusiveMinimum": 0},
+                        },
+                    },
+                },
+                "default_service_class": {"type": "string", "minLength": 1},
             },
         },
         "pools": {
@@ -258,6 +272,10 @@ class OrchestratorSpec:
     # makes them) before the waiting tokens go out as one response; 0: never, one token per response as
     # the tensorrtllm backend streams (clients such as perf_analyzer count responses).
     coalesce_backlog: int = 0
+    # Classes of traffic, each with the TTFT and TPOT it must get (none: throughput only), and the class of
+    # a request that names none; disagg.triton.sla routes each request to a pool that meets its class.
+    service_classes: tuple[tuple[str, float | None, float | None], ...] = ()  # (name, ttft_ms, tpot_ms)
+    default_service_class: str = ""
 
 
 @dataclass(frozen=True)
@@ -467,6 +485,16 @@ def _check_cross_role(spec: DeploymentSpec) -> None:
                 owner[key] = role.name
 
 
+def _orchestrator_from_raw(raw: dict) -> OrchestratorSpec:
+    classes = tuple((name, c.get("ttft_ms"), c.get("tpot_ms")) for name, c in raw.get("service_classes", {}).items())
+    default = raw.get("default_service_class", classes[0][0] if classes else "")
+    if default and default not in [c[0] for c in classes]:
+        raise SpecError("orchestrator.default_service_class", f"{default!r} is not one of orchestrator.service_classes "
+                        f"({', '.join(c[0] for c in classes) or 'none defined'})")
+    rest = {k: v for k, v in raw.items() if k not in ("service_classes", "default_service_class")}
+    return OrchestratorSpec(**rest, service_classes=classes, default_service_class=default)
+
+
 def _pools_from_raw(raw: dict) -> dict[str, PoolSpec]:
     return {
         name: PoolSpec(
@@ -557,7 +585,7 @@ def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
         ),
         roles=roles,
         kv_transfer=KVTransferSpec(**raw.get("kv_transfer", {})),
-        orchestrator=OrchestratorSpec(**raw.get("orchestrator", {})),
+        orchestrator=_orchestrator_from_raw(raw.get("orchestrator", {})),
         build_dir=Path(out.get("build_dir", "build")),
         model_repository=Path(out.get("model_repository", "model_repository")),
         pools=pools,

@@ -6,79 +6,26 @@ deployment of its own on this machine, as a pod is on its node) and the deployme
 the front serves the ensemble with its orchestrator's engine models named by the registries."""
 from __future__ import annotations
 
-import os
 import secrets
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.engine.sampling import NO_END_ID
-from disagg.serve import free_ports
 from disagg.serve.leftovers import names as shm_names
 from disagg.serve.metrics import scrape
-from disagg.triton.replicas import REFRESH_S, parse_loads
+from disagg.triton.replicas import REFRESH_S
+from tests.replica_helpers import Served
 from tools.stream_client import StreamError, stream
 
 pytestmark = pytest.mark.e2e
 PROMPTS = [f"pool request {i}: the quick brown fox" for i in range(4)]
 TOKENS = 24
 LONG_TOKENS, LONG_REQUESTS = 290, 6  # together seconds of decoding here: longer than a drain's first wait
-
-
-class Served:
-    """One `disagg-serve` process, its output kept; `ready()` waits for its "ready" line."""
-
-    def __init__(self, name: str, repository: Path, env: dict[str, str], *flags: str):
-        self.name = name
-        self.http, self.grpc, self.metrics = free_ports(3)
-        launcher = Path(sys.executable).parent / "disagg-serve"
-        self.proc = subprocess.Popen(
-            [str(launcher), "--model-repository", str(repository), "--http-port", str(self.http), "--grpc-port", str(self.grpc),
-             "--metrics-port", str(self.metrics), "--no-openai", "--exit-timeout-secs=20", *flags],
-            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.strip() == "disagg-serve: ready":
-                self._ready.set()
-
-    def ready(self, timeout_s: float = 120) -> Served:
-        assert self._ready.wait(timeout_s), f"{self.name} not ready:\n" + "".join(self.lines[-30:])
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.grpc}"
-
-    def load(self, model: str):
-        return parse_loads(scrape(f"http://127.0.0.1:{self.metrics}/metrics", 2.0)).get(model)
-
-    def inferences(self, model: str) -> int:
-        """Requests the model has completed here (Triton's nv_inference_count, as one scrape shows it)."""
-        text = scrape(f"http://127.0.0.1:{self.metrics}/metrics", 2.0)
-        prefix = f'nv_inference_count{{model="{model}",version="1"}} '
-        return next((int(float(line[len(prefix):])) for line in text.splitlines() if line.startswith(prefix)), 0)
-
-    def stop(self, timeout_s: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
 
 
 @pytest.fixture

@@ -92,7 +92,8 @@ def test_engine_models_follow_the_tensorrtllm_contract(repo, spec):
 
 def test_orchestrators_and_front_parameters(repo):
     disagg, agg = params(config(repo, "disagg_orchestrator")), params(config(repo, "aggregated_orchestrator"))
-    common = {"prefill_timeout_s": "30", "decode_timeout_s": "120", "max_in_flight": "64", "prefill_routing": "cache_aware", "coalesce_backlog": "0", "engine_urls": "", "engine_input_names": ""}
+    common = {"prefill_timeout_s": "30", "decode_timeout_s": "120", "max_in_flight": "64", "prefill_routing": "cache_aware", "coalesce_backlog": "0", "engine_urls": "", "engine_input_names": "",
+              "service_classes": "{}", "default_service_class": ""}
     assert disagg == {"mode": "disaggregated", "context_model_name": "prefill", "generation_model_name": "decode", **common}
     assert agg == {"mode": "aggregated", "aggregated_model_name": "aggregated_engine", **common}
     cfg = config(repo, "disagg_orchestrator")
@@ -100,7 +101,7 @@ def test_orchestrators_and_front_parameters(repo):
     # Scalars arrive as [batch, 1] and go to the engines unchanged (no reshape here, unlike the engines).
     assert {t.name for t in cfg.input} == {
         "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "streaming", "temperature",
-        "runtime_top_k", "runtime_top_p", "seed", "min_tokens", "exclude_input_in_output",
+        "runtime_top_k", "runtime_top_p", "seed", "min_tokens", "exclude_input_in_output", "service_class",
     }
     assert not any(t.HasField("reshape") for t in cfg.input)
     assert params(config(repo, "preprocessing")) == {
@@ -132,7 +133,7 @@ def test_ensembles_declare_upstreams_inputs_and_each_reaches_a_model(repo):
     for ensemble in ("ensemble", "aggregated"):
         cfg = config(repo, ensemble)
         declared = {t.name: model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_") for t in cfg.input}
-        assert declared == UPSTREAM_ENSEMBLE_INPUTS
+        assert declared == {**UPSTREAM_ENSEMBLE_INPUTS, "service_class": "STRING"}  # ours: disagg.triton.sla
         assert {t.name for t in cfg.input if not t.optional} == {"text_input", "max_tokens"}
         assert {n: list(t.dims) for n, t in ((t.name, t) for t in cfg.input) if n in ("stop_words", "bad_words")} == {
             "stop_words": [-1], "bad_words": [-1]}
@@ -162,7 +163,7 @@ def test_ensembles_wire_preprocessing_orchestrator_postprocessing(repo):
             "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN", "request_output_len": "_REQUEST_OUTPUT_LEN",
             "end_id": "_END_ID", "pad_id": "_PAD_ID", "streaming": "stream", "temperature": "temperature",
             "runtime_top_k": "top_k", "runtime_top_p": "top_p", "seed": "_SEED", "min_tokens": "_MIN_TOKENS",
-            "exclude_input_in_output": "exclude_input_in_output",
+            "exclude_input_in_output": "exclude_input_in_output", "service_class": "service_class",
         }
         assert steps[0][2] == {
             "INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",

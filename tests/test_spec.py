@@ -103,3 +103,18 @@ def test_unreadable_yaml_is_a_clear_error(tmp_path):
     bad.write_text("roles: [unclosed")
     with pytest.raises(SpecError, match="is not valid YAML"):
         load_spec(bad)
+
+
+def test_service_classes_are_checked_and_the_first_is_the_default():
+    classes = {"interactive": {"ttft_ms": 500, "tpot_ms": 50}, "batch": {}}
+    spec = parse_spec(with_change("orchestrator.service_classes", classes))
+    assert spec.orchestrator.service_classes == (("interactive", 500, 50), ("batch", None, None))
+    assert spec.orchestrator.default_service_class == "interactive"
+    raw = with_change("orchestrator.service_classes", classes)
+    raw["orchestrator"]["default_service_class"] = "gold"
+    with pytest.raises(SpecError, match=r"^orchestrator.default_service_class: 'gold' is not one of orchestrator.service_classes \(interactive, batch\)$"):
+        parse_spec(raw)
+    with pytest.raises(SpecError, match=r"^orchestrator.service_classes.batch.tpot_ms: 0 is less than or equal to the minimum of 0$"):
+        parse_spec(with_change("orchestrator.service_classes", {"batch": {"tpot_ms": 0}}))
+    with pytest.raises(SpecError, match=r"^orchestrator.service_classes.batch.itl_ms: unknown key \(allowed here: tpot_ms, ttft_ms\)$"):
+        parse_spec(with_change("orchestrator.service_classes", {"batch": {"itl_ms": 5}}))

@@ -36,6 +36,7 @@ SAMPLING_INPUTS = {
     "min_tokens": ("INT32", np.int32),  # end_id cannot end the answer before this many tokens
     "min_length": ("INT32", np.int32),  # min_tokens' older name (genai-perf --output-tokens-mean-deterministic)
     "exclude_input_in_output": ("BOOL", bool),  # false: a non-streamed answer starts with the prompt
+    "service_class": ("BYTES", object),  # one of the deployment's orchestrator.service_classes
 }
 
 
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, help="nucleus sampling threshold")
     p.add_argument("--seed", type=int, help="sampling seed")
     p.add_argument("--min-tokens", type=int, help="no end_id before this many new tokens")
+    p.add_argument("--service-class", help="the request's class of service (the deployment's orchestrator.service_classes)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the final response")
     a = p.parse_args(argv)
     try:
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             a.url, a.model, a.prompt, a.max_tokens, timeout_s=a.timeout,
             on_text=lambda t: print(t, end="", flush=True),
             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, min_tokens=a.min_tokens,
+            service_class=a.service_class,
         )
     except (StreamError, TimeoutError, InferenceServerException) as exc:
         print(f"\nerror: {exc}")

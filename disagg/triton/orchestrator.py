@@ -50,7 +50,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg.engine.kv_cache import block_hashes
-from disagg.triton import cancel_board, credential, kv_index, load_board, replicas
+from disagg.triton import cancel_board, credential, kv_index, load_board, replicas, sla
 from disagg.triton.contract import (
     CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
     rename_inputs,
@@ -70,7 +70,7 @@ STOP_TIMEOUT_S = 5.0  # for a `stop` or a drain: cleanup, never on a client's pa
 DRAIN_WAIT_S = 10.0  # how long a drain waits for a dead decode to be reloaded (else the lease reclaims)
 # Inputs the orchestrator reads for itself, not forwarded: the client's `stream`, and `exclude_input_in_output`
 # (engines always stream to the orchestrator, so the prompt is put before a non-streamed answer here).
-OWN_INPUTS = ("streaming", "exclude_input_in_output")
+OWN_INPUTS = ("streaming", "exclude_input_in_output", "service_class")
 READ_INPUTS = frozenset((*FORWARDED_INPUTS, *OWN_INPUTS))
 
 
@@ -84,7 +84,11 @@ class Engine:
 
     model: str
     url: str
-    replica: bool = False
+    pool: str = ""  # the pool's source (disagg.triton.replicas), for a replica
+
+    @property
+    def replica(self) -> bool:
+        return bool(self.pool)
 
     @property
     def name(self) -> str:
@@ -300,14 +304,25 @@ class TritonPythonModel:
         self.cancels = self.metrics.counter("disagg_orchestrator_cancelled_total", "Requests cancelled by the client")
         self._count = 0
         self._lock = threading.Lock()
-        self.pools: dict[str, replicas.ReplicaPool] = {}  # model -> its pool, for those a pool serves
-        by_source: dict[str, replicas.ReplicaPool] = {}
+        # A model's engine_urls value names one server, or pools: "source[;cost=N]|source[;cost=N]...".
+        self.pools: dict[str, replicas.ReplicaPool] = {}  # by source
+        self.pools_of: dict[str, list[str]] = {}  # model -> the sources of the pools that serve it
+        self.costs: dict[str, float] = {}  # source -> relative cost of a hop there (default 1)
         for model, url in self.engine_urls.items():
-            source = replicas.parse_source(url)
-            if source is not None:
-                if url not in by_source:
-                    by_source[url] = replicas.ReplicaPool(source, on_leave=self._replica_left)
-                self.pools[model] = by_source[url]
+            for part in url.split("|"):
+                value, _, options = part.partition(";")
+                source = replicas.parse_source(value)
+                if source is None:
+                    continue
+                if value not in self.pools:
+                    self.pools[value] = replicas.ReplicaPool(source, on_leave=self._replica_left)
+                    self.costs[value] = float(options.removeprefix("cost=")) if options.startswith("cost=") else 1.0
+                self.pools_of.setdefault(model, []).append(value)
+        self.classes = sla.parse_classes(model_param(args, "service_classes"))
+        self.default_class = model_param(args, "default_service_class")
+        self.strictest = {phase: min((t for c in self.classes.values() if (t := c.target(phase))), default=None)
+                          for phase in ("prefill", "decode")}
+        self.speeds: dict[str, dict[str, sla.Speed]] = {"prefill": {}, "decode": {}}  # phase -> {pool or url: speed}
 
     def execute(self, requests):
         with STUB_LOCK:
@@ -325,6 +340,7 @@ class TritonPythonModel:
         request_id = uuid.uuid4().hex
         flag = cancel_board.CancelFlag(self.board_key, self.instance, request_id)
         streaming = arrays.pop("streaming", None)
+        service_class = arrays.pop("service_class", None)
         client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]), flag.stream_id)
         exclude = arrays.pop("exclude_input_in_output", None)
         if exclude is not None and not exclude.reshape(-1)[0] and not client.streaming:
@@ -344,6 +360,7 @@ class TritonPythonModel:
         completed = False
         try:
             try:
+                klass = self._service_class(service_class)  # every path checks it; disaggregated routes by it
                 if self.mode == "aggregated":
                     engine = self._pick(self.engines)
                     reached.engines.append(engine)
@@ -352,7 +369,7 @@ class TritonPythonModel:
                     finally:
                         self._done(engine)
                 else:
-                    self._disaggregated(request_id, inputs, client, cancelled, arrival, reached)
+                    self._disaggregated(request_id, inputs, client, cancelled, arrival, reached, klass)
                 client.finish()
                 completed = True
             except Cancelled:
@@ -373,10 +390,16 @@ class TritonPythonModel:
             finally:
                 self._track(-1)
 
-    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float, reached: Reached) -> None:
+    def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float,
+                       reached: Reached, klass: sla.ServiceClass | None) -> None:
         self._check_live(self.decoders)  # no prefill work (and KV to hand off) for a request no decode can take
-        prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])])
+        if klass is None:
+            prefill, at_prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])]), 0
+        else:
+            self._choose(self.decoders, klass, "decode")  # refused now if no decode pool meets it: before any work
+            prefill, at_prefill = self._pick_for(self.prefills, klass, "prefill")
         reached.engines.append(prefill)
+        started = time.monotonic()
         try:
             if int(inputs["request_output_len"].reshape(-1)[0]) <= 1:  # the context phase is all of it
                 self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
@@ -384,6 +407,7 @@ class TritonPythonModel:
             try:
                 with self._hop(prefill, inputs, request_id, "context_only") as hop:
                     context = list(hop.results(self.prefill_timeout_s, cancelled))
+                self._observe("prefill", prefill, at_prefill, time.monotonic() - started)
             except HopError as exc:
                 if CONTEXT_PARAMS_MISSING not in str(exc):
                     raise
@@ -404,8 +428,13 @@ class TritonPythonModel:
         with STUB_LOCK:
             if cancelled():
                 raise Cancelled()
-        decode = self._pick(self.decoders)
+        decode, at_decode = None, 0
+        if klass is not None:  # the first token is out: the class picks the pool, but no longer refuses
+            with contextlib.suppress(HopError):
+                decode, at_decode = self._pick_for(self.decoders, klass, "decode")
+        decode = decode or self._pick(self.decoders)
         reached.engines.append(decode)
+        first_at, tokens = None, 0
         try:
             with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
                 # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds
@@ -414,9 +443,50 @@ class TritonPythonModel:
                 for ids, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
                     reached.handoff = None  # decode answers once it has the KV
                     client.emit(ids[skip:])
+                    if ids[skip:]:
+                        first_at = first_at or time.monotonic()
+                        tokens += len(ids[skip:])
                     skip = max(0, skip - len(ids))
+            if klass is not None and tokens > 1:
+                self._observe("decode", decode, at_decode, (time.monotonic() - first_at) / (tokens - 1))
         finally:
             self._done(decode)
+
+    def _service_class(self, value: np.ndarray | None) -> sla.ServiceClass | None:
+        """The request's class: its `service_class` input, else the spec's default; None without classes."""
+        name = value.reshape(-1)[0] if value is not None else b""
+        name = (name.decode(errors="replace") if isinstance(name, bytes) else str(name)) or self.default_class
+        if not name:
+            return None
+        if name not in self.classes:
+            known = ", ".join(self.classes) or "none: orchestrator.service_classes is not set"
+            raise HopError(f"service_class: {name!r} is not a service class of this deployment ({known})")
+        return self.classes[name]
+
+    def _choose(self, models: list[str], klass: sla.ServiceClass, phase: str) -> tuple[Engine, int]:
+        """Where a `phase` hop of `klass` goes (disagg.triton.sla) and the requests in flight there;
+        HopError when no pool is predicted to meet the class. The caller dispatches it."""
+        candidates = self._candidates(models)
+        with self._lock:
+            scored = [(e, self._score(e)) for e in candidates]
+            live = [(e, s) for e, s in scored if not s[0]] or scored
+            options = [sla.Option(e, e.pool or e.url, self.costs.get(e.pool, 1.0), s[1], s) for e, s in live]
+        try:
+            option = sla.choose(options, self.speeds[phase], klass, phase, self.strictest[phase])
+        except sla.NoPoolMeets as exc:
+            raise HopError(str(exc)) from None
+        return option.key, option.in_flight
+
+    def _pick_for(self, models: list[str], klass: sla.ServiceClass, phase: str) -> tuple[Engine, int]:
+        """`_choose`, dispatched (until `_done`)."""
+        engine, in_flight = self._choose(models, klass, phase)
+        with self._lock:
+            return self._dispatch(engine), in_flight
+
+    def _observe(self, phase: str, engine: Engine, in_flight: int, seconds: float) -> None:
+        """What a hop took, for its pool's (or server's) speed: TTFT of a prefill hop, TPOT of a decode one."""
+        if self.classes:
+            self.speeds[phase].setdefault(engine.pool or engine.url, sla.Speed()).observe(in_flight + 1, seconds)
 
     def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled, arrival: float) -> None:
         """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one."""
@@ -431,11 +501,11 @@ class TritonPythonModel:
         HopError when the pools of all of them have no live replica."""
         found = []
         for model in models:
-            pool = self.pools.get(model)
-            if pool is None:
+            sources = self.pools_of.get(model)
+            if sources is None:
                 found.append(Engine(model, self.engine_urls[model]))
             else:
-                found += [Engine(model, url, replica=True) for url in pool.urls()]
+                found += [Engine(model, url, source) for source in sources for url in self.pools[source].urls()]
         if not found:
             sources = ", ".join(sorted({self.engine_urls[m] for m in models}))
             raise HopError(f"{'/'.join(models)}: no replica is serving ({sources}): retry shortly")
@@ -448,7 +518,7 @@ class TritonPythonModel:
         dispatched = self.dispatched.get(engine, 0)
         if not engine.replica:
             return load_board.load_score(self.board, engine.model, dispatched)
-        load = self.pools[engine.model].load(engine.url, engine.model)
+        load = self.pools[engine.pool].load(engine.url, engine.model)
         if load is None:  # it left the pool since the candidates were listed
             return True, dispatched, 0
         return False, max(load.active, dispatched), -load.free_blocks
@@ -501,7 +571,7 @@ class TritonPythonModel:
     def _done(self, engine: Engine) -> None:
         with self._lock:
             self.dispatched[engine] -= 1
-            if self.dispatched[engine] or not engine.replica or engine.url in self.pools[engine.model].urls():
+            if self.dispatched[engine] or not engine.replica or engine.url in self.pools[engine.pool].urls():
                 return
             del self.dispatched[engine]
         self._replica_left(engine.url)
@@ -560,7 +630,7 @@ class TritonPythonModel:
                     list(hop.results(STOP_TIMEOUT_S, lambda: False))
 
             self._quietly(send_stop)
-            if engine.replica and engine.url not in self.pools[engine.model].urls():
+            if engine.replica and engine.url not in self.pools[engine.pool].urls():
                 self._replica_left(engine.url)  # the stop opened its channel again
 
     @contextlib.contextmanager
@@ -587,7 +657,7 @@ class TritonPythonModel:
         one has died (Triton would hold a request for a dead stub for seconds before refusing it), or when
         no pool of theirs has a live replica."""
         self._candidates(models)
-        published = [e for m in models if m not in self.pools for e in self.board.entries(m)]
+        published = [e for m in models if m not in self.pools_of for e in self.board.entries(m)]
         pids = {e.load.pid: e.instance for e in published if e.process_alive}
         if published and not pids:
             dead = ", ".join(f"{e.instance} (pid {e.load.pid})" for e in published)
@@ -611,7 +681,7 @@ class TritonPythonModel:
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.closer.shutdown(wait=False)
         self.metrics.updater.close()
-        for pool in set(self.pools.values()):
+        for pool in self.pools.values():
             pool.close()
         with self._lock:
             servers = list(self.servers.values())
