@@ -4,16 +4,18 @@ does not have is refused naming the input. Two decode pools on loopback (registr
 from __future__ import annotations
 
 import contextlib
+import queue
 import secrets
 
 import pytest
+import tritonclient.grpc as grpcclient
 import yaml
 
 from disagg.engine.sampling import NO_END_ID
 from disagg.render import render_repository
 from disagg.spec import parse_spec
 from tests.replica_helpers import Served
-from tools.stream_client import StreamError, stream
+from tools.stream_client import StreamError, build_inputs, stream
 
 pytestmark = pytest.mark.e2e
 CLASSES = {"interactive": {"tpot_ms": 10_000}, "realtime": {"tpot_ms": 0.001}, "batch": {}}
@@ -55,6 +57,21 @@ def _ask(front: Served, i: int, **inputs) -> str:
     return stream(front.url, "ensemble", f"class request {i}", 16, end_id=NO_END_ID, timeout_s=60, **inputs).text
 
 
+def _error_with_parameter(front: Served, service_class: str) -> str:
+    """The error a request naming its class in a request parameter gets (none: '')."""
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(front.url)
+    client.start_stream(callback=lambda result, error: answers.put(error))
+    try:
+        client.async_stream_infer("ensemble", build_inputs("class request 2", 16), parameters={"service_class": service_class},
+                                  enable_empty_final_response=True)
+        error = answers.get(timeout=60)
+        return error.message() if error is not None else ""
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 def test_classes_pick_pools_by_cost_and_target_and_refuse_what_no_pool_meets(deployment):
     front, prefill, cheap, dear, registry = deployment
     expected = _ask(front, 0)  # the default class, batch
@@ -78,4 +95,6 @@ def test_classes_pick_pools_by_cost_and_target_and_refuse_what_no_pool_meets(dep
 
     with pytest.raises(StreamError, match=r"service_class: 'gold' is not a service class of this deployment \(interactive, realtime, batch\)"):
         _ask(front, 1, service_class="gold")
+    # The class as a request parameter: the ensemble passes it on to the orchestrator.
+    assert "service class 'realtime': no decode pool is predicted" in _error_with_parameter(front, "realtime")
     assert _ask(front, 0, service_class="batch") == expected  # and it serves on

@@ -333,6 +333,10 @@ class TritonPythonModel:
         for request in requests:
             # Inputs are copied here: a request's tensors are released once execute returns.
             arrays = {t.name(): t.as_numpy().copy() for t in request.inputs() if t.name() in READ_INPUTS}
+            if "service_class" not in arrays:  # else the request parameter of that name (an ensemble passes them on)
+                named = json.loads(request.parameters() or "{}").get("service_class")
+                if named is not None:
+                    arrays["service_class"] = np.asarray([[str(named).encode()]], dtype=object)
             self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
 
     def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
@@ -453,7 +457,8 @@ class TritonPythonModel:
             self._done(decode)
 
     def _service_class(self, value: np.ndarray | None) -> sla.ServiceClass | None:
-        """The request's class: its `service_class` input, else the spec's default; None without classes."""
+        """The request's class: its `service_class` input or request parameter, else the spec's default; None
+        without classes."""
         name = value.reshape(-1)[0] if value is not None else b""
         name = (name.decode(errors="replace") if isinstance(name, bytes) else str(name)) or self.default_class
         if not name:
