@@ -147,8 +147,14 @@ class EngineServer:
             self.channel.close()
             self.channel, self._shared = _channel(self.url), None
 
-    def close(self) -> None:
+    def retire(self) -> None:
+        """Half-closes the shared stream: the server ends it once it has answered what it holds, and a server
+        that is stopping waits for its clients' streams to end. Nothing is cancelled (see the module's
+        docstring); `close` the channel later."""
         with self._lock:
             if self._shared is not None:
                 self._shared.close()
+
+    def close(self) -> None:
+        self.retire()
         self.channel.close()

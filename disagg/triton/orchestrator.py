@@ -297,6 +297,7 @@ class TritonPythonModel:
         self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
         self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
         self.servers: dict[str, EngineServer] = {}  # by URL
+        self.retired: list[EngineServer] = []  # of replicas that left (their streams half-closed)
         self.metrics = Metrics(f"orchestrator-{self.mode}", self.instance, Updater())
         self.ttft = self.metrics.histogram("disagg_ttft_seconds", "Request arrival at the orchestrator -> first token sent", TTFT_BUCKETS)
         self.in_flight = self.metrics.gauge("disagg_orchestrator_in_flight", "Requests the orchestrator is serving")
@@ -582,16 +583,19 @@ class TritonPythonModel:
         self._replica_left(engine.url)
 
     def _replica_left(self, url: str) -> None:
-        """Closes the channel to a replica that left its pool once nothing of ours runs there: it cannot
-        stop while a stream of ours is open. Until then `_done` calls again as its requests end."""
+        """Ends our stream to a replica that left its pool once nothing of ours runs there: it cannot stop
+        while a stream of ours is open. Until then `_done` calls again as its requests end. The stream is
+        half-closed, not cancelled; its channel is kept until finalize."""
         with self._lock:
             if any(e.url == url and n for e, n in self.dispatched.items()):
                 return
             for engine in [e for e in self.dispatched if e.url == url]:
                 del self.dispatched[engine]
             server = self.servers.pop(url, None)
+            if server is not None:
+                self.retired.append(server)
         if server is not None:
-            self.closer.submit(server.close)
+            server.retire()
 
     def _release(self, request_id: str, inputs: dict[str, np.ndarray], reached: Reached) -> None:
         """Frees what an ended request holds: `stop` where it went, and a handoff nobody took is drained."""
@@ -689,6 +693,6 @@ class TritonPythonModel:
         for pool in self.pools.values():
             pool.close()
         with self._lock:
-            servers = list(self.servers.values())
+            servers = [*self.servers.values(), *self.retired]
         for server in servers:
             server.close()
