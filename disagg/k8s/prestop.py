@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from disagg.triton.replicas import Replica, scrape
+from disagg.triton.replicas import scrape
 
 QUIET_READINGS = 3  # in a row, POLL_S apart: the backend refreshes its gauges every iteration or 100 ms
 POLL_S = 0.2
@@ -23,7 +23,7 @@ def wait_idle(metrics_url: str, after_s: float, timeout_s: float) -> int:
     quiet = active = 0
     while quiet < QUIET_READINGS and time.monotonic() < deadline:
         try:
-            active = sum(load.active for load in scrape(Replica("", metrics_url)).values())
+            active = sum(load.active for load in scrape(metrics_url).values())
         except Exception:  # noqa: BLE001 - a server already going: nothing left to wait for
             return 0
         quiet = 0 if active else quiet + 1

@@ -91,6 +91,11 @@ class Engine:
         return bool(self.pool)
 
     @property
+    def site(self) -> str:
+        """What its speed is measured for (disagg.triton.sla): its pool, or its one server."""
+        return self.pool or self.url
+
+    @property
     def name(self) -> str:
         return f"{self.model}@{self.url}" if self.replica else self.model
 
@@ -476,7 +481,7 @@ class TritonPythonModel:
         with self._lock:
             scored = [(e, self._score(e)) for e in candidates]
             live = [(e, s) for e, s in scored if not s[0]] or scored
-            options = [sla.Option(e, e.pool or e.url, self.costs.get(e.pool, 1.0), s[1], s) for e, s in live]
+            options = [sla.Option(e, e.site, self.costs.get(e.pool, 1.0), s[1], s) for e, s in live]
         try:
             option = sla.choose(options, self.speeds[phase], klass, phase, self.strictest[phase])
         except sla.NoPoolMeets as exc:
@@ -492,7 +497,7 @@ class TritonPythonModel:
     def _observe(self, phase: str, engine: Engine, in_flight: int, seconds: float) -> None:
         """What a hop took, for its pool's (or server's) speed: TTFT of a prefill hop, TPOT of a decode one."""
         if self.classes:
-            self.speeds[phase].setdefault(engine.pool or engine.url, sla.Speed()).observe(in_flight + 1, seconds)
+            self.speeds[phase].setdefault(engine.site, sla.Speed()).observe(in_flight + 1, seconds)
 
     def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled, arrival: float) -> None:
         """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one."""
@@ -529,9 +534,10 @@ class TritonPythonModel:
             return True, dispatched, 0
         return False, max(load.active, dispatched), -load.free_blocks
 
-    def _pick(self, models: list[str]) -> Engine:
-        """The least loaded engine serving one of `models`; counted as dispatched until `_done`."""
-        candidates = self._candidates(models)
+    def _pick(self, models: list[str], candidates: list[Engine] | None = None) -> Engine:
+        """The least loaded engine serving one of `models` (of `candidates`, when the caller listed them);
+        counted as dispatched until `_done`."""
+        candidates = candidates or self._candidates(models)
         with self._lock:
             return self._dispatch(min(candidates, key=self._score))
 
@@ -554,7 +560,7 @@ class TritonPythonModel:
         elif self.prefill_routing == "random":
             with self._lock:
                 return self._dispatch(self.rng.choice(candidates))
-        return self._pick(self.prefills)
+        return self._pick(self.prefills, candidates)
 
     def _cache_aware_costs(self, prompt: np.ndarray, candidates: list[Engine]) -> dict[Engine, int]:
         """{prefill engine not known dead: prompt blocks to compute there + a whole prompt per request in

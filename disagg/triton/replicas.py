@@ -124,8 +124,9 @@ def parse_loads(text: str) -> dict[str, Load]:
     return {m: Load(int(active.get(m, 0)), int(free.get(m, 0))) for m in active.keys() | free.keys()}
 
 
-def scrape(replica: Replica) -> dict[str, Load]:
-    return parse_loads(metrics.scrape(replica.metrics, SCRAPE_TIMEOUT_S))
+def scrape(metrics_url: str) -> dict[str, Load]:
+    """{model: Load} as the Prometheus endpoint at `metrics_url` shows them now."""
+    return parse_loads(metrics.scrape(metrics_url, SCRAPE_TIMEOUT_S))
 
 
 class ReplicaPool:
@@ -147,7 +148,7 @@ class ReplicaPool:
         for replica in self.source.replicas():
             now = time.monotonic()
             try:
-                loads[replica.grpc] = (scrape(replica), now)
+                loads[replica.grpc] = (scrape(replica.metrics), now)
             except Exception:  # noqa: BLE001 - not serving yet, any more (a cut-off answer), or just slow
                 last = self._loads.get(replica.grpc)
                 if last is not None and now - last[1] < SILENT_S:
