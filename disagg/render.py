@@ -76,6 +76,7 @@ def _entry_models(spec: DeploymentSpec) -> list[Model]:
         "max_in_flight": o.max_in_flight,
         "service_classes": json.dumps({name: {"ttft_ms": ttft, "tpot_ms": tpot} for name, ttft, tpot in o.service_classes}),
         "default_service_class": o.default_service_class,
+        "pool_routing": o.pool_routing,
         "engine_urls": engine_urls(spec),
         # inputs the engines' release reads under older names ("seed=random_seed" on TensorRT-LLM 0.17/0.18)
         "engine_input_names": ",".join(f"{new}={old}" for new, old in backend_for(spec).engine_input_names(spec).items()),

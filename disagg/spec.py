@@ -24,6 +24,7 @@ ROLES = ("prefill", "decode", "aggregated")
 BACKENDS = ("reference", "tensorrt_llm")
 KV_TRANSFER_BACKENDS = ("shm", "tcp", "ucx", "nixl", "mpi")
 PREFILL_ROUTING = ("cache_aware", "least_loaded", "random")
+POOL_ROUTING = ("service_class", "least_loaded", "round_robin")
 DTYPES = ("float32", "float16", "bfloat16")
 # GPU classes a pool can run on, with their CUDA compute capability: a TensorRT engine runs only on the
 # architecture it was built on, so each role is built on its pool's class.
@@ -128,6 +129,7 @@ SCHEMA = {
                 "prefill_timeout_s": {"type": "number", "exclusiveMinimum": 0},
                 "decode_timeout_s": {"type": "number", "exclusiveMinimum": 0},
                 "prefill_routing": {"enum": list(PREFILL_ROUTING)},
+                "pool_routing": {"enum": list(POOL_ROUTING)},
                 "coalesce_backlog": {"type": "integer", "minimum": 0},
                 "service_classes": {
                     "type": "object",
@@ -276,6 +278,9 @@ class OrchestratorSpec:
     # a request that names none; disagg.triton.sla routes each request to a pool that meets its class.
     service_classes: tuple[tuple[str, float | None, float | None], ...] = ()  # (name, ttft_ms, tpot_ms)
     default_service_class: str = ""
+    # How a request with a class picks among the replicas of an engine model's pools: by its class
+    # (disagg.triton.sla), or ignoring it, the least loaded or in turn (baselines for `bench sla`).
+    pool_routing: str = "service_class"
 
 
 @dataclass(frozen=True)

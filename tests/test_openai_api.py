@@ -207,6 +207,8 @@ def test_echo_returns_the_prompt_first(client):
         (dict(extra_body={"min_tokens": 50}), 400, "min_tokens: 50 is over max_tokens=16", "min_tokens"),
         (dict(extra_body={"top_k": 100000}), 400, "top_k: 100000 is over the vocabulary size 512", "top_k"),
         (dict(extra_body={"best_model": "yes"}), 400, "Unrecognized request argument supplied: best_model", "best_model"),
+        (dict(extra_body={"service_class": "gold"}), 400,
+         "service_class: 'gold' is not a service class of this deployment (none: orchestrator.service_classes is not set)", "service_class"),
         (dict(model="gpt-4"), 404, "The model 'gpt-4' does not exist (served: ensemble, aggregated)", "model"),
     ],
 )

@@ -19,7 +19,7 @@ from disagg.engine.sampling import NO_END_ID
 from disagg.serve.leftovers import names as shm_names
 from disagg.serve.metrics import scrape
 from disagg.triton.replicas import REFRESH_S
-from tests.replica_helpers import Served
+from disagg.serve.process import Served
 from tools.stream_client import StreamError, stream
 
 pytestmark = pytest.mark.e2e

@@ -93,7 +93,7 @@ def test_engine_models_follow_the_tensorrtllm_contract(repo, spec):
 def test_orchestrators_and_front_parameters(repo):
     disagg, agg = params(config(repo, "disagg_orchestrator")), params(config(repo, "aggregated_orchestrator"))
     common = {"prefill_timeout_s": "30", "decode_timeout_s": "120", "max_in_flight": "64", "prefill_routing": "cache_aware", "coalesce_backlog": "0", "engine_urls": "", "engine_input_names": "",
-              "service_classes": "{}", "default_service_class": ""}
+              "service_classes": "{}", "default_service_class": "", "pool_routing": "service_class"}
     assert disagg == {"mode": "disaggregated", "context_model_name": "prefill", "generation_model_name": "decode", **common}
     assert agg == {"mode": "aggregated", "aggregated_model_name": "aggregated_engine", **common}
     cfg = config(repo, "disagg_orchestrator")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
@@ -14,16 +16,19 @@ import yaml
 from disagg.engine.sampling import NO_END_ID
 from disagg.render import render_repository
 from disagg.spec import parse_spec
-from tests.replica_helpers import Served
+from disagg.serve.openai_front import OpenAIFront
+from disagg.serve.process import Served
 from tools.stream_client import StreamError, build_inputs, stream
 
 pytestmark = pytest.mark.e2e
-CLASSES = {"interactive": {"tpot_ms": 10_000}, "realtime": {"tpot_ms": 0.001}, "batch": {}}
+CLASSES = {"interactive": {"ttft_ms": 10_000, "tpot_ms": 10_000}, "realtime": {"tpot_ms": 0.001}, "batch": {}}
 
 
-@pytest.fixture
-def deployment(cpu_tiny_project, tmp_path):
-    """A front whose orchestrator has CLASSES and two decode pools, `cheap` (cost 1) and `dear` (cost 5)."""
+@pytest.fixture(scope="module")
+def deployment(cpu_tiny_project, tmp_path_factory):
+    """A front whose orchestrator has CLASSES and two decode pools, `cheap` (cost 1) and `dear` (cost 5);
+    the tests run in order on it (the first counts requests from none)."""
+    tmp_path = tmp_path_factory.mktemp("sla")
     project = cpu_tiny_project
     raw = yaml.safe_load((project / "configs" / "cpu-tiny.yaml").read_text())
     raw["orchestrator"].update(service_classes=CLASSES, default_service_class="batch")
@@ -41,20 +46,22 @@ def deployment(cpu_tiny_project, tmp_path):
 
     registry = {name: tmp_path / f"registry-{name}" for name in ("prefill", "cheap", "dear")}
     prefill = serve("prefill", "model_repository", "--load-model=prefill", f"--announce={registry['prefill']}")
-    cheap = serve("cheap", "model_repository", "--load-model=decode", f"--announce={registry['cheap']}")
-    dear = serve("dear", "model_repository", "--load-model=decode", f"--announce={registry['dear']}")
-    urls = f"prefill=registry:{registry['prefill']},decode=registry:{registry['cheap']};cost=1|registry:{registry['dear']};cost=5"
-    models = [f"--load-model={m}" for m in ("preprocessing", "disagg_orchestrator", "postprocessing", "ensemble")]
+    cheap = serve("cheap", "model_repository", "--load-model=decode", "--load-model=aggregated_engine", f"--announce={registry['cheap']}")
+    dear = serve("dear", "model_repository", "--load-model=decode", "--load-model=aggregated_engine", f"--announce={registry['dear']}")
+    pools = f"registry:{registry['cheap']};cost=1|registry:{registry['dear']};cost=5"
+    urls = f"prefill=registry:{registry['prefill']},decode={pools},aggregated_engine={pools}"
+    models = [f"--load-model={m}" for m in ("preprocessing", "disagg_orchestrator", "aggregated_orchestrator", "postprocessing", "ensemble", "aggregated")]
     front = serve("front", "model_repository_sla", *models, env={"DISAGG_ENGINE_URLS": urls})
     for served in started:
         served.ready()
     yield front, prefill, cheap, dear, registry
-    for served in reversed(started):
-        served.stop()
+    front.stop()  # first: nothing then calls the replicas, which stop side by side (each drains on its own)
+    with ThreadPoolExecutor(len(started)) as stopping:
+        list(stopping.map(Served.stop, started))
 
 
-def _ask(front: Served, i: int, **inputs) -> str:
-    return stream(front.url, "ensemble", f"class request {i}", 16, end_id=NO_END_ID, timeout_s=60, **inputs).text
+def _ask(front: Served, i: int, model: str = "ensemble", **inputs) -> str:
+    return stream(front.url, model, f"class request {i}", 16, end_id=NO_END_ID, timeout_s=60, **inputs).text
 
 
 def _error_with_parameter(front: Served, service_class: str) -> str:
@@ -76,10 +83,10 @@ def test_classes_pick_pools_by_cost_and_target_and_refuse_what_no_pool_meets(dep
     front, prefill, cheap, dear, registry = deployment
     expected = _ask(front, 0)  # the default class, batch
     assert expected
-    for i in range(6):  # batch: the least loaded decode pool, whatever it costs
-        assert _ask(front, 0) == expected
+    with ThreadPoolExecutor(10) as clients:  # batch, 10 at once: the least loaded decode pool, whatever it costs
+        assert list(clients.map(lambda _: _ask(front, 0), range(10))) == [expected] * 10
     batch_split = (cheap.inferences("decode"), dear.inferences("decode"))
-    assert sum(batch_split) == 7 and min(batch_split) >= 1, batch_split
+    assert sum(batch_split) == 11 and min(batch_split) >= 3, batch_split  # and both pools are measured
 
     for i in range(5):  # interactive: both pools meet its target, so the cheaper one gets every request
         assert _ask(front, 0, service_class="interactive") == expected
@@ -98,3 +105,31 @@ def test_classes_pick_pools_by_cost_and_target_and_refuse_what_no_pool_meets(dep
     # The class as a request parameter: the ensemble passes it on to the orchestrator.
     assert "service class 'realtime': no decode pool is predicted" in _error_with_parameter(front, "realtime")
     assert _ask(front, 0, service_class="batch") == expected  # and it serves on
+
+
+def test_the_aggregated_path_routes_by_class_too(deployment):
+    front, _, cheap, dear, _ = deployment
+    expected = _ask(front, 0)
+    with ThreadPoolExecutor(8) as clients:  # batch, 8 at once: both pools serve, and are measured
+        assert list(clients.map(lambda _: _ask(front, 0, "aggregated"), range(8))) == [expected] * 8
+    before = (cheap.inferences("aggregated_engine"), dear.inferences("aggregated_engine"))
+    assert min(before) >= 3, before
+    for _ in range(4):  # both pools meet interactive's TTFT and TPOT: the cheaper one takes every request
+        assert _ask(front, 0, "aggregated", service_class="interactive") == expected  # as disaggregated, token for token
+    assert (cheap.inferences("aggregated_engine") - before[0], dear.inferences("aggregated_engine") - before[1]) == (4, 0)
+
+
+def test_the_openai_api_takes_a_service_class_and_answers_a_refusal_with_503(deployment, cpu_tiny_project, tmp_path):
+    front = deployment[0]
+    with OpenAIFront(cpu_tiny_project / "model_repository_sla", front.url, log_path=tmp_path / "openai.log") as api:
+        client = openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0, timeout=60)
+        ask = dict(model="ensemble", prompt="class request 0", max_tokens=8, temperature=0)
+        assert client.completions.create(**ask, extra_body={"service_class": "interactive"}).choices[0].text
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(**ask, extra_body={"service_class": "realtime"})
+        assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
+        assert "service class 'realtime': no decode pool is predicted to meet" in refused.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as unknown:
+            client.completions.create(**ask, extra_body={"service_class": "gold"})
+        assert unknown.value.body["param"] == "service_class"
+        assert unknown.value.body["message"] == "service_class: 'gold' is not a service class of this deployment (interactive, realtime, batch)"

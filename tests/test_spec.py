@@ -118,3 +118,7 @@ def test_service_classes_are_checked_and_the_first_is_the_default():
         parse_spec(with_change("orchestrator.service_classes", {"batch": {"tpot_ms": 0}}))
     with pytest.raises(SpecError, match=r"^orchestrator.service_classes.batch.itl_ms: unknown key \(allowed here: tpot_ms, ttft_ms\)$"):
         parse_spec(with_change("orchestrator.service_classes", {"batch": {"itl_ms": 5}}))
+    assert spec.orchestrator.pool_routing == "service_class"
+    assert parse_spec(with_change("orchestrator.pool_routing", "round_robin")).orchestrator.pool_routing == "round_robin"
+    with pytest.raises(SpecError, match=r"^orchestrator.pool_routing: 'fastest' is not one of \['service_class', 'least_loaded', 'round_robin'\]$"):
+        parse_spec(with_change("orchestrator.pool_routing", "fastest"))

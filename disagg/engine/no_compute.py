@@ -5,7 +5,10 @@ logits that make each sequence's next token a fixed function of its last one, wi
 or touching the KV cache. Requests, scheduling, KV block bookkeeping and handoffs are those of the real
 engine; only the forward pass is gone, so the tokens are not the model's. Never serve it.
 `DISAGG_SKIP_COMPUTE_STEP_MS` makes each step take that long without using the CPU, as a GPU's step
-would (0: as fast as the engine loop goes, which floods the front with one response per token).
+would (0: as fast as the engine loop goes, which floods the front with one response per token), and
+`DISAGG_SKIP_COMPUTE_TOKEN_MS` adds that much per token the step computes (a prompt's tokens, one per
+generating sequence), so a step grows with its batch and prompts as a GPU's does: engines given different
+values stand for different GPUs (`python -m disagg.bench sla`'s fast and slow pools).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 
 SKIP_COMPUTE_ENV = "DISAGG_SKIP_COMPUTE"
 STEP_MS_ENV = "DISAGG_SKIP_COMPUTE_STEP_MS"
+TOKEN_MS_ENV = "DISAGG_SKIP_COMPUTE_TOKEN_MS"
 
 
 def skip_compute() -> bool:
@@ -25,13 +29,15 @@ def skip_compute() -> bool:
 class NoComputeModel:
     """`forward` as LlamaModel's: last-token logits per sequence of the step, here one-hot."""
 
-    def __init__(self, vocab_size: int, step_s: float | None = None):
+    def __init__(self, vocab_size: int, step_s: float | None = None, token_s: float | None = None):
         self.vocab_size = vocab_size
         self.step_s = float(os.environ.get(STEP_MS_ENV, "0")) / 1e3 if step_s is None else step_s
+        self.token_s = float(os.environ.get(TOKEN_MS_ENV, "0")) / 1e3 if token_s is None else token_s
 
     def forward(self, batch) -> np.ndarray:
-        if self.step_s:
-            time.sleep(self.step_s)
+        took = self.step_s + self.token_s * sum(len(s.token_ids) for s in batch)
+        if took:
+            time.sleep(took)
         logits = np.zeros((len(batch), self.vocab_size), dtype=np.float32)
         last = np.fromiter((s.token_ids[-1] for s in batch), dtype=np.int64, count=len(batch))
         logits[np.arange(len(batch)), (last * 31 + 7) % self.vocab_size] = 1.0

@@ -69,6 +69,7 @@ def _options(req: CompletionRequest | ChatCompletionRequest, prepared_max: int, 
         "end_id": -1 if req.ignore_eos else None,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
+        "service_class": req.service_class.encode() if req.service_class else None,
     }
     if greedy:
         return options | {"top_k": 1}
@@ -87,6 +88,9 @@ def _prepare(deployment: Deployment, req, text: str, max_tokens: int | None, pro
         raise APIError(f"The model '{req.model}' does not exist (served: {', '.join(deployment.models)})",
                        status=404, param="model", kind="invalid_request_error")
     stops = req.stop_strings()
+    if req.service_class and req.service_class not in deployment.service_classes:  # worded as the orchestrator's refusal
+        known = ", ".join(deployment.service_classes) or "none: orchestrator.service_classes is not set"
+        raise APIError(f"service_class: {req.service_class!r} is not a service class of this deployment ({known})", param="service_class")
     if max_tokens is None:
         max_tokens = deployment.default_max_tokens(deployment.prompt_tokens(text))
     try:
@@ -121,7 +125,9 @@ async def _run(streams: TritonStreams, gen: Generation) -> AsyncIterator[str]:
                 gen.finish_reason = "stop"
                 return  # closing `chunks` cancels the rest of the generation
     except EngineError as exc:
-        raise APIError(str(exc), status=500) from None
+        # "...: retry shortly" (no replica serving; no pool predicted to meet the service class) is a
+        # refusal to retry, as OpenAI's 503 "overloaded"; anything else is the server's failure.
+        raise APIError(str(exc), status=503 if str(exc).endswith("retry shortly") else 500) from None
     finally:
         await chunks.aclose()
     if rest := matcher.flush():
@@ -155,7 +161,7 @@ def _sse(payload: dict | str) -> str:
 
 
 def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers={"Retry-After": "1"} if exc.status == 503 else None)
 
 
 def create_app(deployment: Deployment, grpc_url: str, metrics_urls: dict[str, str] | None = None) -> FastAPI:

@@ -6,6 +6,7 @@ loads, so `usage.prompt_tokens` is the number of tokens the engines receive.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class Deployment:
     chat_template: ChatTemplate | None
     board_key: str = ""  # names the deployment's load board (disagg.triton.load_board)
     engines: tuple[EngineModel, ...] = ()
+    service_classes: tuple[str, ...] = ()  # the orchestrators' (orchestrator.service_classes in the spec)
 
     @classmethod
     def load(cls, model_repository: str | Path) -> Deployment:
@@ -38,7 +40,7 @@ class Deployment:
         limits = Limits(int(param["max_input_len"]), int(param["max_output_len"]), int(param["max_seq_len"]))
         tokenizer_dir = (repo / param["tokenizer_dir"]).resolve()
         pre = Preprocessor.load(tokenizer_dir, limits, parse_bool("add_special_tokens", param["add_special_tokens"]))
-        return cls(models, pre, ChatTemplate.load(tokenizer_dir), board_key(repo), tuple(engine_models(repo)))
+        return cls(models, pre, ChatTemplate.load(tokenizer_dir), board_key(repo), tuple(engine_models(repo)), _service_classes(repo))
 
     def prompt_tokens(self, text: str) -> int:
         return len(encode_prompt(self.pre.tokenizer, text, self.pre.add_special_tokens))
@@ -62,3 +64,13 @@ class Deployment:
         """What a chat request without a limit may generate: the rest of max_seq_len, within max_output_len."""
         limits = self.pre.limits
         return max(1, min(limits.max_output_len, limits.max_seq_len - prompt_tokens))
+
+
+def _service_classes(repo: Path) -> tuple[str, ...]:
+    """The class names the orchestrators accept: every orchestrator of a repository is rendered with the same."""
+    for name in ("disagg_orchestrator", "aggregated_orchestrator"):
+        path = repo / name / "config.pbtxt"
+        if path.is_file():
+            param = parse_config(name, path.read_text()).parameters.get("service_classes")
+            return tuple(json.loads(param.string_value or "{}")) if param is not None else ()
+    return ()

@@ -1,7 +1,9 @@
 """The request bodies the API accepts, and its errors in OpenAI's format.
 
 Fields are OpenAI's, plus three that vLLM and benchmark clients (genai-perf, AIPerf `--extra-inputs`) send
-for fixed output lengths and TensorRT-LLM sampling: `ignore_eos`, `min_tokens`, `top_k`. A field OpenAI
+for fixed output lengths and TensorRT-LLM sampling: `ignore_eos`, `min_tokens`, `top_k`, and this
+deployment's `service_class` (one of the spec's orchestrator.service_classes; the openai client sends it
+with `extra_body`). A field OpenAI
 defines but this deployment cannot honour is refused by name unless it has the value that changes nothing
 (`n: 1`, `logprobs: false`, ...); an unknown field is refused as OpenAI refuses it. Penalties go to the
 ensemble, which refuses the ones its engines cannot apply, naming them.
@@ -62,6 +64,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     top_k: int | None = Field(None, ge=-1)
+    # disagg's: the request's class of service (disagg.triton.sla)
+    service_class: str | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

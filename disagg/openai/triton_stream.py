@@ -37,6 +37,7 @@ def _tensor(name: str, value, dtype) -> InferInput:
 _DTYPES = {
     "max_tokens": np.int32, "end_id": np.int32, "min_tokens": np.int32, "top_k": np.int32, "seed": np.uint64,
     "temperature": np.float32, "top_p": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
+    "service_class": object,
 }
 
 

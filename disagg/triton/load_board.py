@@ -24,7 +24,7 @@ BOARD_ENV = "DISAGG_LOAD_BOARD"
 
 
 def board_dir() -> Path:
-    return Path(os.environ.get(BOARD_ENV, "/dev/shm"))
+    return Path(os.environ.get(BOARD_ENV) or "/dev/shm")
 
 
 def board_key(repository_root: Path) -> str:

@@ -14,6 +14,8 @@ one request at a time and throws the context phase's token away, this one:
   sequences in flight, then most free KV blocks, as the reference engines publish on the load board);
   an engine model whose `engine_urls` entry names a pool (disagg.triton.replicas) is served by each of
   the pool's live replicas, and each replica counts as an instance, with the load its metrics publish;
+  with service classes, a request goes to the cheapest pool predicted to meet its class instead
+  (disagg.triton.sla; `pool_routing` least_loaded or round_robin ignore the class, as baselines);
 - gives each hop a deadline (`prefill_timeout_s`, `decode_timeout_s`: longest wait for the next
   response) with an error that names the hop, and fails it within CANCEL_CHECK_S when the engine
   instance serving it dies (its process, as the load board names it, is gone);
@@ -294,6 +296,8 @@ class TritonPythonModel:
         self.input_names = parse_input_names(model_param(args, "engine_input_names"))
         self.dispatched: dict[Engine, int] = {}
         self.prefill_routing = model_param(args, "prefill_routing")
+        self.pool_routing = model_param(args, "pool_routing")
+        self._turn = 0  # pool_routing: round_robin
         self.coalesce_backlog = int(model_param(args, "coalesce_backlog"))
         self.kv_index = kv_index.IndexReader(self.board_key)
         self.rng = random.Random(0)
@@ -372,10 +376,11 @@ class TritonPythonModel:
             try:
                 klass = self._service_class(service_class)  # every path checks it; disaggregated routes by it
                 if self.mode == "aggregated":
-                    engine = self._pick(self.engines)
+                    routed = klass is not None and self.pool_routing == "service_class"
+                    engine, at = self._pick_for(self.engines, klass, ("prefill", "decode")) if routed else (self._pick(self.engines), None)
                     reached.engines.append(engine)
                     try:
-                        self._context_and_generation(engine, inputs, request_id, client, cancelled, arrival)
+                        self._context_and_generation(engine, inputs, request_id, client, cancelled, arrival, measured_at=at)
                     finally:
                         self._done(engine)
                 else:
@@ -403,11 +408,13 @@ class TritonPythonModel:
     def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float,
                        reached: Reached, klass: sla.ServiceClass | None) -> None:
         self._check_live(self.decoders)  # no prefill work (and KV to hand off) for a request no decode can take
+        if self.pool_routing != "service_class":
+            klass = None  # checked, not routed by: a baseline
         if klass is None:
             prefill, at_prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])]), 0
         else:
-            self._choose(self.decoders, klass, "decode")  # refused now if no decode pool meets it: before any work
-            prefill, at_prefill = self._pick_for(self.prefills, klass, "prefill")
+            self._choose(self.decoders, klass, ("decode",))  # refused now if no decode pool meets it: before any work
+            prefill, at_prefill = self._pick_for(self.prefills, klass, ("prefill",))
         reached.engines.append(prefill)
         started = time.monotonic()
         try:
@@ -441,15 +448,15 @@ class TritonPythonModel:
         decode, at_decode = None, 0
         if klass is not None:  # the first token is out: the class picks the pool, but no longer refuses
             with contextlib.suppress(HopError):
-                decode, at_decode = self._pick_for(self.decoders, klass, "decode")
-        decode = decode or self._pick(self.decoders)
+                decode, at_decode = self._pick_for(self.decoders, klass, ("decode",))
+        decode = decode or self._pick_decode()
         reached.engines.append(decode)
         first_at, tokens = None, 0
         try:
             with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
                 # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds
                 # it; the reference engine does the same): the client already has it.
-                skip = 1
+                skip, observed = 1, klass is None
                 for ids, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
                     reached.handoff = None  # decode answers once it has the KV
                     client.emit(ids[skip:])
@@ -457,7 +464,10 @@ class TritonPythonModel:
                         first_at = first_at or time.monotonic()
                         tokens += len(ids[skip:])
                     skip = max(0, skip - len(ids))
-            if klass is not None and tokens > 1:
+                    if not observed and tokens > sla.PROBE_TOKENS:  # known early: a slow pool's hops are long
+                        self._observe("decode", decode, at_decode, (time.monotonic() - first_at) / (tokens - 1))
+                        observed = True
+            if not observed and tokens > 1:
                 self._observe("decode", decode, at_decode, (time.monotonic() - first_at) / (tokens - 1))
         finally:
             self._done(decode)
@@ -474,38 +484,59 @@ class TritonPythonModel:
             raise HopError(f"service_class: {name!r} is not a service class of this deployment ({known})")
         return self.classes[name]
 
-    def _choose(self, models: list[str], klass: sla.ServiceClass, phase: str) -> tuple[Engine, int]:
-        """Where a `phase` hop of `klass` goes (disagg.triton.sla) and the requests in flight there;
-        HopError when no pool is predicted to meet the class. The caller dispatches it."""
+    def _choose(self, models: list[str], klass: sla.ServiceClass, phases: tuple[str, ...]) -> tuple[Engine, int]:
+        """Where a hop of `klass` goes (disagg.triton.sla) and the requests in flight there: a hop of one
+        phase, or of both on an aggregated engine. HopError when no pool is predicted to meet the class.
+        The caller dispatches it."""
         candidates = self._candidates(models)
         with self._lock:
             scored = [(e, self._score(e)) for e in candidates]
             live = [(e, s) for e, s in scored if not s[0]] or scored
             options = [sla.Option(e, e.site, self.costs.get(e.pool, 1.0), s[1], s) for e, s in live]
         try:
-            option = sla.choose(options, self.speeds[phase], klass, phase, self.strictest[phase])
+            option = sla.choose(options, klass, [sla.Phase(p, self.speeds[p], self.strictest[p]) for p in phases],
+                                "aggregated" if len(phases) > 1 else phases[0])
         except sla.NoPoolMeets as exc:
             raise HopError(str(exc)) from None
         return option.key, option.in_flight
 
-    def _pick_for(self, models: list[str], klass: sla.ServiceClass, phase: str) -> tuple[Engine, int]:
+    def _pick_for(self, models: list[str], klass: sla.ServiceClass, phases: tuple[str, ...]) -> tuple[Engine, int]:
         """`_choose`, dispatched (until `_done`)."""
-        engine, in_flight = self._choose(models, klass, phase)
+        engine, in_flight = self._choose(models, klass, phases)
         with self._lock:
             return self._dispatch(engine), in_flight
 
     def _observe(self, phase: str, engine: Engine, in_flight: int, seconds: float) -> None:
-        """What a hop took, for its pool's (or server's) speed: TTFT of a prefill hop, TPOT of a decode one."""
-        if self.classes:
-            self.speeds[phase].setdefault(engine.site, sla.Speed()).observe(in_flight + 1, seconds)
+        """What a hop took, for its pool's (or server's) speed: TTFT of a prefill hop against the requests
+        in flight there when it was sent (itself included), TPOT of a decode one against the mean of that
+        and those in flight as it ends (disagg.triton.sla). Called before the hop's `_done`."""
+        if not self.classes:
+            return
+        load = in_flight + 1
+        if phase == "decode":
+            with self._lock:
+                load = (load + self._score(engine)[1]) / 2
+        self.speeds[phase].setdefault(engine.site, sla.Speed()).observe(load, seconds)
 
-    def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled, arrival: float) -> None:
-        """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one."""
+    def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled,
+                                arrival: float, measured_at: int | None = None) -> None:
+        """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one.
+        With `measured_at` (the requests in flight there when it was routed by class) its TTFT and TPOT
+        are what the engine's pool is measured by."""
+        started, first_at, count = time.monotonic(), None, 0
         with self._hop(engine, inputs, request_id, "context_and_generation") as hop:
-            for n, (tokens, _) in enumerate(hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog)):
-                if n == 0:
-                    self.ttft.observe(time.monotonic() - arrival)
+            for tokens, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
+                if first_at is None and tokens:
+                    first_at = time.monotonic()
+                    self.ttft.observe(first_at - arrival)
+                    if measured_at is not None:
+                        self._observe("prefill", engine, measured_at, first_at - started)
                 client.emit(tokens)
+                count += len(tokens)
+                if measured_at is not None and count - len(tokens) <= sla.PROBE_TOKENS < count:
+                    self._observe("decode", engine, measured_at, (time.monotonic() - first_at) / (count - 1))
+        if measured_at is not None and 1 < count <= sla.PROBE_TOKENS:
+            self._observe("decode", engine, measured_at, (time.monotonic() - first_at) / (count - 1))
 
     def _candidates(self, models: list[str]) -> list[Engine]:
         """Every engine that can serve one of `models`: its server, or each live replica of its pool.
@@ -540,6 +571,16 @@ class TritonPythonModel:
         candidates = candidates or self._candidates(models)
         with self._lock:
             return self._dispatch(min(candidates, key=self._score))
+
+    def _pick_decode(self) -> Engine:
+        """A decode hop without class routing: the least loaded engine, or each in turn (pool_routing:
+        round_robin, a baseline that ignores load and speed)."""
+        if self.pool_routing != "round_robin":
+            return self._pick(self.decoders)
+        candidates = sorted(self._candidates(self.decoders), key=lambda e: (e.pool, e.url, e.model))
+        with self._lock:
+            self._turn += 1
+            return self._dispatch(candidates[self._turn % len(candidates)])
 
     def _dispatch(self, engine: Engine) -> Engine:
         """Counts `engine` as dispatched (until `_done`); the caller holds `_lock`."""

@@ -1,4 +1,5 @@
-"""Replicas and fronts as `disagg-serve` processes on loopback ports, for the pool tests."""
+"""A `disagg-serve` process on free loopback ports, its output kept: the replicas and fronts of the pool
+tests and of `python -m disagg.bench sla`."""
 from __future__ import annotations
 
 import os
