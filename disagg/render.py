@@ -51,11 +51,16 @@ def engine_urls(spec: DeploymentSpec) -> str:
     """The orchestrator's `engine_urls`: engine models that another node's server serves. The front end
     runs with the first role's node (see disagg.trtllm.render), every other node serving at its standard
     port. With pools the front runs apart from all of them, and each pool is a set of replicas behind a
-    name (its headless Service) that the orchestrator resolves again and again (disagg.triton.replicas)."""
+    name (its headless Service) that the orchestrator resolves again and again (disagg.triton.replicas);
+    a role in several pools is served by each, at its cost."""
     roles = [spec.roles[name] for name in ROLES if name in spec.roles]
     if spec.pools:
-        return ",".join(f"{name}=dns:{role.node}:{ENGINE_GRPC_PORT}:{ENGINE_METRICS_PORT}"
-                        for role in roles for name in role_models(spec, role.name))
+        def sources(role: str) -> str:
+            pools = spec.pools_of(role)
+            return "|".join(f"dns:{p.name}:{ENGINE_GRPC_PORT}:{ENGINE_METRICS_PORT}" + (f";cost={p.cost:g}" if len(pools) > 1 else "")
+                            for p in pools)
+
+        return ",".join(f"{name}={sources(role.name)}" for role in roles for name in role_models(spec, role.name))
     front = roles[0].node
     remote = []
     for role in roles:

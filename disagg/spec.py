@@ -159,6 +159,7 @@ SCHEMA = {
                     "roles": {"type": "array", "items": {"enum": list(ROLES)}, "minItems": 1, "uniqueItems": True},
                     "hardware": {"enum": list(HARDWARE)},
                     "replicas": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    "cost": {"type": "number", "exclusiveMinimum": 0},
                     "node_selector": {"type": "object", "additionalProperties": {"type": "string"}},
                     "cpu": {"type": "string", "pattern": _QUANTITY},
                     "memory": {"type": "string", "pattern": _QUANTITY},
@@ -286,12 +287,15 @@ class OrchestratorSpec:
 @dataclass(frozen=True)
 class PoolSpec:
     """Replicas of one pod that serves some roles' engines on one class of hardware. Each replica runs the
-    roles' instances with their own devices (numbered inside the pod) in one MPI world; pools scale apart."""
+    roles' instances with their own devices (numbered inside the pod) in one MPI world; pools scale apart.
+    Roles may be served by several pools of one architecture (a fast and a cheap one): each pool has the
+    same roles, and `cost` weighs a hop there for service-class routing (disagg.triton.sla)."""
 
     name: str
     roles: tuple[str, ...]
     hardware: str
     replicas: int = 1
+    cost: float = 1.0
     node_selector: tuple[tuple[str, str], ...] = ()
     cpu: str | None = None
     memory: str | None = None
@@ -331,6 +335,10 @@ class DeploymentSpec:
     pools: dict[str, PoolSpec] = field(default_factory=dict)  # empty: roles placed by their `node`
     kubernetes: KubernetesSpec | None = None
     source: Path | None = None
+
+    def pools_of(self, role: str) -> list[PoolSpec]:
+        """The pools that serve `role`, its node's first."""
+        return [p for p in self.pools.values() if role in p.roles]
 
     def engine_dir(self, role: str) -> Path:
         """Where this machine builds the role's engine."""
@@ -503,7 +511,7 @@ def _orchestrator_from_raw(raw: dict) -> OrchestratorSpec:
 def _pools_from_raw(raw: dict) -> dict[str, PoolSpec]:
     return {
         name: PoolSpec(
-            name=name, roles=tuple(p["roles"]), hardware=p["hardware"], replicas=p.get("replicas", 1),
+            name=name, roles=tuple(p["roles"]), hardware=p["hardware"], replicas=p.get("replicas", 1), cost=p.get("cost", 1.0),
             node_selector=tuple(sorted(p.get("node_selector", {}).items())), cpu=p.get("cpu"), memory=p.get("memory"),
         )
         for name, p in raw.get("pools", {}).items()
@@ -518,8 +526,9 @@ def _kubernetes_from_raw(raw: dict) -> KubernetesSpec | None:
 
 
 def _check_pools(spec: DeploymentSpec, raw_roles: dict) -> None:
-    """Every role in exactly one pool, each pool's devices numbered as its pod sees them. A pool's name
-    becomes its roles' `node` (disagg.trtllm.render: one MPI world each, reached at that name)."""
+    """Every role in a pool, each pool's devices numbered as its pod sees them; pools that share a role
+    have the same roles on one GPU architecture (they run one launch script and one set of engines). The
+    first pool's name becomes its roles' `node` (disagg.trtllm.render: one MPI world each)."""
     if spec.backend != "tensorrt_llm":
         raise SpecError(
             "pools", f"for backend tensorrt_llm only (this spec's is {spec.backend!r}): reference engines are served "
@@ -534,7 +543,17 @@ def _check_pools(spec: DeploymentSpec, raw_roles: dict) -> None:
             if role not in spec.roles:
                 raise SpecError(at, f"{role!r} is not a role of this spec (roles: {', '.join(spec.roles)})")
             if role in placed:
-                raise SpecError(at, f"{role!r} is already served by pools.{placed[role]}: one pool per role")
+                first = spec.pools[placed[role]]
+                if set(pool.roles) != set(first.roles):
+                    raise SpecError(at, f"{role!r} is also served by pools.{first.name}, whose roles are {list(first.roles)}: "
+                                        "pools that share a role serve the same roles (they run the same launch script)")
+                if HARDWARE[pool.hardware] != HARDWARE[first.hardware]:
+                    same = [h for h, sm in HARDWARE.items() if sm == HARDWARE[first.hardware]]
+                    raise SpecError(f"pools.{pool.name}.hardware", (
+                        f"{pool.hardware} is {HARDWARE[pool.hardware]}, but {role!r} is also served by pools.{first.name} on "
+                        f"{first.hardware} ({HARDWARE[first.hardware]}); a TensorRT engine runs only on the architecture it was "
+                        f"built on: give the pools of {role!r} one architecture ({', '.join(same)})"))
+                continue
             if "node" in raw_roles[role]:
                 raise SpecError(f"roles.{role}.node", f"set by pools.{pool.name}: with pools, a role's place is its pool")
             placed[role] = pool.name
@@ -574,7 +593,7 @@ def parse_spec(raw: object, source: Path | None = None) -> DeploymentSpec:
     gen = model.get("generate")
     roles = {name: _role_from_raw(name, r) for name, r in raw["roles"].items()}
     pools = _pools_from_raw(raw)
-    for pool in pools.values():  # a pool is its roles' node: one pod, one MPI world
+    for pool in reversed(pools.values()):  # the first pool of its roles is their node: one pod, one MPI world
         roles.update({r: dataclasses.replace(roles[r], node=pool.name) for r in pool.roles if r in roles})
     out = raw.get("output", {})
     spec = DeploymentSpec(

@@ -236,8 +236,11 @@ def test_a_release_that_pins_mpi_is_refused_across_pools_and_served_in_one(tmp_p
 
     # Replicas of it would not do: a request's decode may go to another pod than its prefill.
     with pytest.raises(SpecError, match=r"^pools.h200.replicas: 2: with 'mpi' KV stays inside one pod's MPI world, .*"
-                                        r"use replicas: 1, or put prefill and decode in pools of their own with ucx"):
+                                        r"use one pool with replicas: 1, or put prefill and decode in pools of their own with ucx"):
         manifests.render_manifests(_spec(tmp_path, one_pool(2)))
+    with pytest.raises(SpecError, match=r"^pools.h100: a second pool of prefill and decode beside pools.h200: with 'mpi'"):
+        manifests.render_manifests(_spec(tmp_path, lambda raw: one_pool(1)(raw) or raw["pools"].update(
+            h100={"roles": ["prefill", "decode"], "hardware": "h100"})))
     docs = _documents(manifests.render_manifests(_spec(tmp_path, one_pool(1))))
     pod = _find(docs, "StatefulSet", "h200")["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
@@ -245,9 +248,42 @@ def test_a_release_that_pins_mpi_is_refused_across_pools_and_served_in_one(tmp_p
     assert "One MPI world of 9 ranks" in script and "--load-model=prefill --load-model=prefill_1 --load-model=decode" in script
 
 
+def test_a_role_in_a_fast_and_a_cheap_pool_is_served_by_both_at_their_costs(tmp_path):
+    """A second decode pool on H200s (same architecture as the H100 pool: one engine) at a higher cost."""
+    def edit(raw):
+        raw["pools"]["decode-h100"]["cost"] = 1
+        raw["pools"]["decode-h200"] = {"roles": ["decode"], "hardware": "h200", "replicas": 2, "cost": 3,
+                                       "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}}
+    spec = _spec(tmp_path, edit)
+    assert spec.roles["decode"].node == "decode-h100" and [p.name for p in spec.pools_of("decode")] == ["decode-h100", "decode-h200"]
+    files = manifests.render_manifests(spec)
+    docs = _documents(files)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
+    assert lint(docs, allow_host_network=False) == []
+    fast = _find(docs, "StatefulSet", "decode-h200")["spec"]
+    assert fast["replicas"] == 2 and fast["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert fast["template"]["spec"]["containers"][0]["command"] == ["bash", "/launch/launch-decode-h100.sh"]  # the same MPI world
+    assert set(_find(docs, "ConfigMap", "launch")["data"]) == {"launch-prefill-h200.sh", "launch-decode-h100.sh", "launch-front.sh"}
+    repository = _find(docs, "ConfigMap", "repository")["data"]
+    config = parse_config("disagg_orchestrator", repository["disagg_orchestrator__config.pbtxt"])
+    urls = dict(item.split("=", 1) for item in config.parameters["engine_urls"].string_value.split(","))
+    assert urls["decode"] == "dns:decode-h100:8001:8002;cost=1|dns:decode-h200:8001:8002;cost=3"
+    assert urls["prefill"] == "dns:prefill-h200:8001:8002"  # one pool: no cost to weigh
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    for part in urls["decode"].split("|"):
+        value, _, cost = part.partition(";")
+        assert replicas.parse_source(value).host in services and cost.startswith("cost=")
+
+
 @pytest.mark.parametrize("edit, error", [
     (lambda raw: raw["pools"]["decode-h100"]["roles"].append("prefill"),
-     r"^pools.decode-h100.roles: 'prefill' is already served by pools.prefill-h200: one pool per role"),
+     r"^pools.decode-h100.roles: 'prefill' is also served by pools.prefill-h200, whose roles are \['prefill'\]: pools that "
+     r"share a role serve the same roles"),
+    (lambda raw: raw["pools"].update({"decode-l40s": {"roles": ["decode"], "hardware": "l40s"}}),
+     r"^pools.decode-l40s.hardware: l40s is sm89, but 'decode' is also served by pools.decode-h100 on h100 \(sm90\); a TensorRT "
+     r"engine runs only on the architecture it was built on: give the pools of 'decode' one architecture \(h100, h200, h20, gh200\)"),
+    (lambda raw: raw["pools"]["decode-h100"].update(cost=0), r"^pools.decode-h100.cost: 0 is less than or equal to the minimum of 0"),
     (lambda raw: raw["pools"].pop("decode-h100"), r"^roles.decode: in no pool: with pools, every role needs one \(prefill-h200\)"),
     (lambda raw: raw["pools"]["decode-h100"]["roles"].append("aggregated"),
      r"^pools.decode-h100.roles: 'aggregated' is not a role of this spec \(roles: prefill, decode\)"),

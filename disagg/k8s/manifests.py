@@ -109,7 +109,8 @@ def pool_workload(spec: DeploymentSpec, pool: PoolSpec) -> Workload:
     engine_mount = str(spec.engine_root)
     mounts = [("repository", REPOSITORY_MOUNT), ("launch", LAUNCH_MOUNT), ("engines", engine_mount), ("dshm", "/dev/shm")]
     resources = _resources(pool.cpu, pool.memory, {k8s.gpu_resource: gpus} if gpus else {})
-    triton = _triton(["bash", f"{LAUNCH_MOUNT}/launch-{pool.name}.sh"], resources, mounts, ENGINE_STARTUP_CHECKS)
+    launch = spec.roles[pool.roles[0]].node  # a pool that shares its roles with an earlier one runs that one's script
+    triton = _triton(["bash", f"{LAUNCH_MOUNT}/launch-{launch}.sh"], resources, mounts, ENGINE_STARTUP_CHECKS)
     capabilities = {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if k8s.host_network else {})}  # RDMA pins memory
     return Workload(
         name=pool.name, replicas=pool.replicas, labels=_labels(spec, pool.name, "engine"),

@@ -161,12 +161,13 @@ def check_spec(spec: DeploymentSpec) -> None:
                "and use ucx between the pools, or put both roles " + ("in one pool" if spec.pools else "on one node")),
         )
     both = [p for p in spec.pools.values() if {"prefill", "decode"} <= set(p.roles)]
-    if kv == "mpi" and both and both[0].replicas > 1:
+    if kv == "mpi" and both and (both[0].replicas > 1 or len(both) > 1):
+        at, what = (f"pools.{both[0].name}.replicas", f"{both[0].replicas}") if both[0].replicas > 1 else \
+            (f"pools.{both[1].name}", f"a second pool of prefill and decode beside pools.{both[0].name}")
         raise SpecError(
-            f"pools.{both[0].name}.replicas",
-            f"{both[0].replicas}: with 'mpi' KV stays inside one pod's MPI world, but the orchestrator may send a "
-            "request's decode to another replica than its prefill: use replicas: 1, or put prefill and decode in "
-            "pools of their own with ucx (TensorRT-LLM 0.19 or 0.20), which scale apart",
+            at, f"{what}: with 'mpi' KV stays inside one pod's MPI world, but the orchestrator may send a "
+            "request's decode to another replica than its prefill: use one pool with replicas: 1, or put prefill and "
+            "decode in pools of their own with ucx (TensorRT-LLM 0.19 or 0.20), which scale apart",
         )
     for role in _roles(spec):
         if role.enable_chunked_context and not release.chunked_context:
