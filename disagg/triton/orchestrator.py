@@ -374,7 +374,7 @@ class TritonPythonModel:
         completed = False
         try:
             try:
-                klass = self._service_class(service_class)  # every path checks it; disaggregated routes by it
+                klass = self._service_class(service_class)  # checked on every path, routed by unless pool_routing says not
                 if self.mode == "aggregated":
                     routed = klass is not None and self.pool_routing == "service_class"
                     engine, at = self._pick_for(self.engines, klass, ("prefill", "decode")) if routed else (self._pick(self.engines), None)
