@@ -20,7 +20,7 @@ def _model(orchestrator, routing: str, loads: dict[str, int]):
     model = object.__new__(orchestrator.TritonPythonModel)
     engines = [orchestrator.Engine("decode", url, f"registry:/{url}") for url in loads]
     model.pool_routing, model.decoders, model.dispatched, model._lock, model._turn = routing, ["decode"], {}, threading.Lock(), 0
-    model.classes, model.speeds = {"batch": None}, {"prefill": {}, "decode": {}}
+    model.classes, model.speeds, model.hop_seconds = {"batch": None}, {"prefill": {}, "decode": {}}, {}
     model._candidates = lambda models: list(engines)
     model._score = lambda engine: (False, loads[engine.url] + model.dispatched.get(engine, 0), 0)
     return model

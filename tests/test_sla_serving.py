@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -17,6 +18,7 @@ from disagg.engine.sampling import NO_END_ID
 from disagg.render import render_repository
 from disagg.spec import parse_spec
 from disagg.serve.openai_front import OpenAIFront
+from disagg.serve.metrics import scrape
 from disagg.serve.process import Served
 from tools.stream_client import StreamError, build_inputs, stream
 
@@ -105,6 +107,22 @@ def test_classes_pick_pools_by_cost_and_target_and_refuse_what_no_pool_meets(dep
     # The class as a request parameter: the ensemble passes it on to the orchestrator.
     assert "service class 'realtime': no decode pool is predicted" in _error_with_parameter(front, "realtime")
     assert _ask(front, 0, service_class="batch") == expected  # and it serves on
+
+    # What routing saw, on the front's metrics: both refusals of realtime, and each decode pool's hops.
+    def series(name: str, **labels) -> float:
+        text = scrape(f"http://127.0.0.1:{front.metrics}/metrics", 2.0)
+        found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())]
+        return sum(found)
+
+    deadline = time.monotonic() + 5  # the orchestrator's metrics are applied by a thread of their own
+    while series("disagg_service_class_refused_total", service_class="realtime") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert series("disagg_service_class_refused_total", service_class="realtime") == 2
+    assert series("disagg_service_class_refused_total", service_class="interactive") == 0
+    for pool in ("cheap", "dear"):
+        assert series("disagg_pool_tpot_seconds_count", pool=f"registry:{registry[pool]}") >= 3
+    assert series("disagg_pool_ttft_seconds_count", pool=f"registry:{registry['prefill']}") >= 17
 
 
 def test_the_aggregated_path_routes_by_class_too(deployment):

@@ -87,6 +87,7 @@ class _Metric:
 
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+TPOT_BUCKETS = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
 class Metrics:
@@ -96,21 +97,23 @@ class Metrics:
         self._families: dict[str, object] = {}
         self._metrics: dict[str, object] = {}
 
-    def _get(self, name: str, description: str, kind, **kwargs):
-        if name not in self._metrics:
-            family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
-            self._families[name] = family
-            self._metrics[name] = _Metric(family.Metric(labels=self.labels, **kwargs), self.updater)
-        return self._metrics[name]
+    def _get(self, name: str, description: str, kind, labels: dict[str, str] | None = None, **kwargs):
+        """The series of `name` with `labels` beside role and instance (one family per name)."""
+        key = (name, tuple(sorted((labels or {}).items())))
+        if key not in self._metrics:
+            if name not in self._families:
+                self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._metrics[key] = _Metric(self._families[name].Metric(labels={**self.labels, **(labels or {})}, **kwargs), self.updater)
+        return self._metrics[key]
 
-    def gauge(self, name: str, description: str):
-        return self._get(name, description, pb_utils.MetricFamily.GAUGE)
+    def gauge(self, name: str, description: str, labels: dict[str, str] | None = None):
+        return self._get(name, description, pb_utils.MetricFamily.GAUGE, labels)
 
-    def counter(self, name: str, description: str):
-        return self._get(name, description, pb_utils.MetricFamily.COUNTER)
+    def counter(self, name: str, description: str, labels: dict[str, str] | None = None):
+        return self._get(name, description, pb_utils.MetricFamily.COUNTER, labels)
 
-    def histogram(self, name: str, description: str, buckets: list[float]):
-        return self._get(name, description, pb_utils.MetricFamily.HISTOGRAM, buckets=buckets)
+    def histogram(self, name: str, description: str, buckets: list[float], labels: dict[str, str] | None = None):
+        return self._get(name, description, pb_utils.MetricFamily.HISTOGRAM, labels, buckets=buckets)
 
 
 class BackendMetrics:

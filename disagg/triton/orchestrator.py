@@ -58,7 +58,7 @@ from disagg.triton.contract import (
     rename_inputs,
 )
 from disagg.triton.engine_stream import EngineServer, EngineStream, infer_request
-from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics, Updater
+from disagg.triton.metrics import STUB_LOCK, TPOT_BUCKETS, TTFT_BUCKETS, Metrics, Updater
 from disagg.triton.paths import model_param, repository_root
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -333,6 +333,18 @@ class TritonPythonModel:
         self.strictest = {phase: min((t for c in self.classes.values() if (t := c.target(phase))), default=None)
                           for phase in ("prefill", "decode")}
         self.speeds: dict[str, dict[str, sla.Speed]] = {"prefill": {}, "decode": {}}  # phase -> {pool or url: speed}
+        # What class routing sees, for an operator: each pool's measured hops (labelled with its source or
+        # URL) and each class's refusals.
+        phase_models = {"prefill": self.prefills or self.engines, "decode": self.decoders or self.engines}
+        self.hop_seconds = {
+            (phase, site): self.metrics.histogram(f"disagg_pool_{metric}_seconds", f"{what}, as service-class routing measures it",
+                                                  buckets, {"pool": site})
+            for phase, metric, what, buckets in (("prefill", "ttft", "Time to first token of a hop to the pool", TTFT_BUCKETS),
+                                                 ("decode", "tpot", "Time per output token of a hop to the pool", TPOT_BUCKETS))
+            for site in dict.fromkeys(s for m in phase_models[phase] for s in self.pools_of.get(m, [self.engine_urls[m]]))
+        } if self.classes else {}
+        self.refused = {name: self.metrics.counter("disagg_service_class_refused_total", "Requests refused before any work: no pool "
+                                                   "was predicted to meet their class", {"service_class": name}) for name in self.classes}
 
     def execute(self, requests):
         with STUB_LOCK:
@@ -376,8 +388,10 @@ class TritonPythonModel:
             try:
                 klass = self._service_class(service_class)  # checked on every path, routed by unless pool_routing says not
                 if self.mode == "aggregated":
-                    routed = klass is not None and self.pool_routing == "service_class"
-                    engine, at = self._pick_for(self.engines, klass, ("prefill", "decode")) if routed else (self._pick(self.engines), None)
+                    if klass is not None and self.pool_routing == "service_class":
+                        engine, at = self._admit(klass, lambda: self._pick_for(self.engines, klass, ("prefill", "decode")))
+                    else:
+                        engine, at = self._pick(self.engines), None
                     reached.engines.append(engine)
                     try:
                         self._context_and_generation(engine, inputs, request_id, client, cancelled, arrival, measured_at=at)
@@ -413,8 +427,8 @@ class TritonPythonModel:
         if klass is None:
             prefill, at_prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])]), 0
         else:
-            self._choose(self.decoders, klass, ("decode",))  # refused now if no decode pool meets it: before any work
-            prefill, at_prefill = self._pick_for(self.prefills, klass, ("prefill",))
+            self._admit(klass, lambda: self._choose(self.decoders, klass, ("decode",)))  # refused now if no decode pool meets it
+            prefill, at_prefill = self._admit(klass, lambda: self._pick_for(self.prefills, klass, ("prefill",)))
         reached.engines.append(prefill)
         started = time.monotonic()
         try:
@@ -447,7 +461,7 @@ class TritonPythonModel:
                 raise Cancelled()
         decode, at_decode = None, 0
         if klass is not None:  # the first token is out: the class picks the pool, but no longer refuses
-            with contextlib.suppress(HopError):
+            with contextlib.suppress(sla.NoPoolMeets):
                 decode, at_decode = self._pick_for(self.decoders, klass, ("decode",))
         decode = decode or self._pick_decode()
         reached.engines.append(decode)
@@ -484,20 +498,25 @@ class TritonPythonModel:
             raise HopError(f"service_class: {name!r} is not a service class of this deployment ({known})")
         return self.classes[name]
 
+    def _admit(self, klass: sla.ServiceClass, choice):
+        """`choice()`; a NoPoolMeets from it refuses the request (counted for its class)."""
+        try:
+            return choice()
+        except sla.NoPoolMeets as exc:
+            self.refused[klass.name].increment(1)
+            raise HopError(str(exc)) from None
+
     def _choose(self, models: list[str], klass: sla.ServiceClass, phases: tuple[str, ...]) -> tuple[Engine, int]:
         """Where a hop of `klass` goes (disagg.triton.sla) and the requests in flight there: a hop of one
-        phase, or of both on an aggregated engine. HopError when no pool is predicted to meet the class.
-        The caller dispatches it."""
+        phase, or of both on an aggregated engine. sla.NoPoolMeets when no pool is predicted to meet the
+        class. The caller dispatches it."""
         candidates = self._candidates(models)
         with self._lock:
             scored = [(e, self._score(e)) for e in candidates]
             live = [(e, s) for e, s in scored if not s[0]] or scored
             options = [sla.Option(e, e.site, self.costs.get(e.pool, 1.0), s[1], s) for e, s in live]
-        try:
-            option = sla.choose(options, klass, [sla.Phase(p, self.speeds[p], self.strictest[p]) for p in phases],
-                                "aggregated" if len(phases) > 1 else phases[0])
-        except sla.NoPoolMeets as exc:
-            raise HopError(str(exc)) from None
+        option = sla.choose(options, klass, [sla.Phase(p, self.speeds[p], self.strictest[p]) for p in phases],
+                            "aggregated" if len(phases) > 1 else phases[0])
         return option.key, option.in_flight
 
     def _pick_for(self, models: list[str], klass: sla.ServiceClass, phases: tuple[str, ...]) -> tuple[Engine, int]:
@@ -517,6 +536,8 @@ class TritonPythonModel:
             with self._lock:
                 load = (load + self._score(engine)[1]) / 2
         self.speeds[phase].setdefault(engine.site, sla.Speed()).observe(load, seconds)
+        if (phase, engine.site) in self.hop_seconds:
+            self.hop_seconds[(phase, engine.site)].observe(seconds)
 
     def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled,
                                 arrival: float, measured_at: int | None = None) -> None:
