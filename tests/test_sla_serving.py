@@ -147,6 +147,9 @@ def test_the_openai_api_takes_a_service_class_and_answers_a_refusal_with_503(dep
             client.completions.create(**ask, extra_body={"service_class": "realtime"})
         assert refused.value.status_code == 503 and refused.value.response.headers["retry-after"] == "1"
         assert "service class 'realtime': no decode pool is predicted to meet" in refused.value.body["message"]
+        with pytest.raises(openai.APIStatusError) as streamed:  # streamed: refused before the response starts
+            list(client.completions.create(**ask, stream=True, extra_body={"service_class": "realtime"}))
+        assert streamed.value.status_code == 503 and "service class 'realtime'" in streamed.value.body["message"]
         with pytest.raises(openai.BadRequestError) as unknown:
             client.completions.create(**ask, extra_body={"service_class": "gold"})
         assert unknown.value.body["param"] == "service_class"

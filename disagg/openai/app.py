@@ -240,10 +240,21 @@ def create_app(deployment: Deployment, grpc_url: str, metrics_urls: dict[str, st
 
             return JSONResponse(whole(await _unless_disconnected(request, collect())))
 
+        # The first piece comes before the response starts: an error before any token (a refusal to
+        # retry, a bad input the ensemble found) then gets its own status, as a non-streamed one does.
+        pieces = _run(streams, gen)
+        try:
+            head = await _unless_disconnected(request, anext(pieces, None))
+        except APIError as exc:
+            return _error_response(exc)
+
         async def events():
             first = True
             try:
-                async for piece in _run(streams, gen):
+                if head is not None:
+                    yield _sse(chunk(head, None, first))
+                    first = False
+                async for piece in pieces:
                     yield _sse(chunk(piece, None, first))
                     first = False
                 yield _sse(chunk("", gen.finish_reason, first))
@@ -251,6 +262,8 @@ def create_app(deployment: Deployment, grpc_url: str, metrics_urls: dict[str, st
                     yield _sse({**chunk("", None, False), "choices": [], "usage": gen.usage()})
             except APIError as exc:
                 yield _sse(exc.body())
+            finally:
+                await pieces.aclose()  # a client gone mid-stream: the generation is cancelled now
             yield _sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
