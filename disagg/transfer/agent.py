@@ -36,6 +36,9 @@ class TransferAgent:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.reclaimed = 0  # handoffs freed by lease expiry, for metrics
+        # Held while a lease expiry frees its blocks and is counted, so that whoever reads the pool's state
+        # and `reclaimed` under it never sees the blocks free but the expiry not yet counted.
+        self.reaping = threading.Lock()
         threading.Thread(target=self._accept, name="kv-agent-accept", daemon=True).start()
         threading.Thread(target=self._reap, name="kv-agent-lease", daemon=True).start()
 
@@ -118,5 +121,6 @@ class TransferAgent:
             with self._lock:
                 expired = [r for r, deadline in self._leases.items() if deadline < now]
             for req_id in expired:
-                if self.drop(req_id):
-                    self.reclaimed += 1
+                with self.reaping:
+                    if self.drop(req_id):
+                        self.reclaimed += 1

@@ -13,6 +13,7 @@ handed-off KV through a `KVPuller` and copies it straight into the blocks it res
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -320,7 +321,11 @@ class TritonPythonModel:
                 index_version, hashes = self.loop.cached_blocks(index_version)
                 if hashes is not None:
                     kv_index.publish(self.board_key, self.name, self.instance, tpb, hashes)
-            stats = self.loop.stats()
+            with self.agent.reaping if self.agent is not None else contextlib.nullcontext():
+                stats, expired = self.loop.stats(), self.agent.reclaimed if self.agent is not None else 0
+            if expired > reclaimed:  # counted before the gauges show the blocks free
+                self.metrics.reclaimed.increment(expired - reclaimed)
+                reclaimed = expired
             self.metrics.update(stats, self.agent.num_held if self.agent else 0)
             store = self.loop.engine.store
             if store is not None and store_check.due():  # a directory scan: once a second
@@ -335,9 +340,6 @@ class TritonPythonModel:
             load = load_board.model_load(self.board_key, self.name)  # every instance of the model, this one included
             if load is not None:
                 self.backend_metrics.update(load, tpb)
-            if self.agent is not None and self.agent.reclaimed > reclaimed:
-                self.metrics.reclaimed.increment(self.agent.reclaimed - reclaimed)
-                reclaimed = self.agent.reclaimed
 
     def finalize(self):
         self._closed.set()
