@@ -9,26 +9,19 @@ from __future__ import annotations
 import argparse
 import time
 
-from disagg.triton.replicas import scrape
+from disagg.triton.replicas import scrape, wait_quiet
 
-QUIET_READINGS = 3  # in a row, POLL_S apart: the backend refreshes its gauges every iteration or 100 ms
-POLL_S = 0.2
+POLL_S = 0.2  # the backend refreshes its gauges every iteration or 100 ms
 
 
 def wait_idle(metrics_url: str, after_s: float, timeout_s: float) -> int:
     """Sleeps `after_s`, then waits until no model reports active requests (or `timeout_s` more has
     passed); returns the active requests at the end."""
     time.sleep(after_s)
-    deadline = time.monotonic() + timeout_s
-    quiet = active = 0
-    while quiet < QUIET_READINGS and time.monotonic() < deadline:
-        try:
-            active = sum(load.active for load in scrape(metrics_url).values())
-        except Exception:  # noqa: BLE001 - a server already going: nothing left to wait for
-            return 0
-        quiet = 0 if active else quiet + 1
-        time.sleep(POLL_S)
-    return active
+    try:
+        return wait_quiet(lambda: sum(load.active for load in scrape(metrics_url).values()), timeout_s, POLL_S)
+    except Exception:  # noqa: BLE001 - a server already going: nothing left to wait for
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

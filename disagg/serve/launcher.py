@@ -186,16 +186,12 @@ class Servers:
         """Waits until orchestrators have seen this replica leave its registry (they read it every
         replicas.REFRESH_S) and no engine model here holds a request, or `timeout_s` has passed; returns
         the requests still held then."""
-        deadline = time.monotonic() + timeout_s
-        time.sleep(min(timeout_s, 4 * replicas.REFRESH_S))
+        waited = min(timeout_s, 4 * replicas.REFRESH_S)
+        time.sleep(waited)
         models = [e.name for e in engine_models(self.repository)]
-        quiet = 0  # readings in a row with nothing held: the board is published every 0.1 s
-        while True:
-            held = sum(load.in_flight + load.held for m in models if (load := load_board.model_load(self.key, m)) is not None)
-            quiet = 0 if held else quiet + 1
-            if quiet >= 3 or time.monotonic() > deadline:
-                return held
-            time.sleep(0.1)
+        return replicas.wait_quiet(  # the board is published every 0.1 s
+            lambda: sum(load.in_flight + load.held for m in models if (load := load_board.model_load(self.key, m)) is not None),
+            timeout_s - waited, 0.1)
 
 
 def main(argv: list[str] | None = None) -> int:

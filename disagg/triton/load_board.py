@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from pathlib import Path
 
@@ -155,7 +155,7 @@ def model_load(key: str, model: str) -> Load | None:
     loads = [e.load for e in entries(key, model) if e.fresh and e.process_alive]
     if not loads:
         return None
-    counts = ("in_flight", "free_blocks", "scheduled", "in_context", "active", "held", "blocks_total", "max_batch_size")
+    counts = [f.name for f in fields(Load) if f.name not in ("updated", "pid")]  # every count adds up; pid is one process's
     return Load(**{c: sum(getattr(x, c) for x in loads) for c in counts}, updated=max(x.updated for x in loads))
 
 

@@ -386,9 +386,11 @@ class TritonPythonModel:
         completed = False
         try:
             try:
-                klass = self._service_class(service_class)  # checked on every path, routed by unless pool_routing says not
+                klass = self._service_class(service_class)  # checked on every path
+                if self.pool_routing != "service_class":
+                    klass = None  # checked, not routed by: a baseline
                 if self.mode == "aggregated":
-                    if klass is not None and self.pool_routing == "service_class":
+                    if klass is not None:
                         engine, at = self._admit(klass, lambda: self._pick_for(self.engines, klass, ("prefill", "decode")))
                     else:
                         engine, at = self._pick(self.engines), None
@@ -422,8 +424,6 @@ class TritonPythonModel:
     def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float,
                        reached: Reached, klass: sla.ServiceClass | None) -> None:
         self._check_live(self.decoders)  # no prefill work (and KV to hand off) for a request no decode can take
-        if self.pool_routing != "service_class":
-            klass = None  # checked, not routed by: a baseline
         if klass is None:
             prefill, at_prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])]), 0
         else:
@@ -459,7 +459,7 @@ class TritonPythonModel:
         with STUB_LOCK:
             if cancelled():
                 raise Cancelled()
-        decode, at_decode = None, 0
+        decode, at_decode = None, (None if klass is None else 0)  # at_decode: None when not measured for class routing
         if klass is not None:  # the first token is out: the class picks the pool, but no longer refuses
             with contextlib.suppress(sla.NoPoolMeets):
                 decode, at_decode = self._pick_for(self.decoders, klass, ("decode",))
@@ -470,19 +470,16 @@ class TritonPythonModel:
             with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
                 # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds
                 # it; the reference engine does the same): the client already has it.
-                skip, observed = 1, klass is None
+                skip = 1
                 for ids, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
                     reached.handoff = None  # decode answers once it has the KV
                     client.emit(ids[skip:])
                     if ids[skip:]:
                         first_at = first_at or time.monotonic()
                         tokens += len(ids[skip:])
+                        self._probe_tpot(decode, at_decode, first_at, tokens - len(ids[skip:]), tokens)
                     skip = max(0, skip - len(ids))
-                    if not observed and tokens > sla.PROBE_TOKENS:  # known early: a slow pool's hops are long
-                        self._observe("decode", decode, at_decode, (time.monotonic() - first_at) / (tokens - 1))
-                        observed = True
-            if not observed and tokens > 1:
-                self._observe("decode", decode, at_decode, (time.monotonic() - first_at) / (tokens - 1))
+            self._probe_tpot(decode, at_decode, first_at, tokens, tokens, ended=True)
         finally:
             self._done(decode)
 
@@ -539,6 +536,16 @@ class TritonPythonModel:
         if (phase, engine.site) in self.hop_seconds:
             self.hop_seconds[(phase, engine.site)].observe(seconds)
 
+    def _probe_tpot(self, engine: Engine, measured_at: int | None, first_at: float | None, before: int, after: int,
+                    ended: bool = False) -> None:
+        """Measures a hop's time per output token once, for class routing (`measured_at` None: not routed
+        by class): as its token count passes sla.PROBE_TOKENS (a slow pool is known within a few of its
+        steps), or when it ends shorter than that."""
+        if measured_at is None or after < 2:
+            return
+        if before <= sla.PROBE_TOKENS < after or (ended and after <= sla.PROBE_TOKENS):
+            self._observe("decode", engine, measured_at, (time.monotonic() - first_at) / (after - 1))
+
     def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled,
                                 arrival: float, measured_at: int | None = None) -> None:
         """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one.
@@ -554,10 +561,8 @@ class TritonPythonModel:
                         self._observe("prefill", engine, measured_at, first_at - started)
                 client.emit(tokens)
                 count += len(tokens)
-                if measured_at is not None and count - len(tokens) <= sla.PROBE_TOKENS < count:
-                    self._observe("decode", engine, measured_at, (time.monotonic() - first_at) / (count - 1))
-        if measured_at is not None and 1 < count <= sla.PROBE_TOKENS:
-            self._observe("decode", engine, measured_at, (time.monotonic() - first_at) / (count - 1))
+                self._probe_tpot(engine, measured_at, first_at, count - len(tokens), count)
+        self._probe_tpot(engine, measured_at, first_at, count, count, ended=True)
 
     def _candidates(self, models: list[str]) -> list[Engine]:
         """Every engine that can serve one of `models`: its server, or each live replica of its pool.

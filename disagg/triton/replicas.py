@@ -124,6 +124,20 @@ def parse_loads(text: str) -> dict[str, Load]:
     return {m: Load(int(active.get(m, 0)), int(free.get(m, 0))) for m in active.keys() | free.keys()}
 
 
+def wait_quiet(held, timeout_s: float, poll_s: float, readings: int = 3) -> int:
+    """How a replica drains before it stops: reads `held()` (the requests it still holds) every `poll_s`
+    until `readings` readings in a row are 0 (one may fall between a request's end and the next's start)
+    or `timeout_s` has passed; returns the last reading."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while True:
+        count = held()
+        quiet = 0 if count else quiet + 1
+        if quiet >= readings or time.monotonic() > deadline:
+            return count
+        time.sleep(poll_s)
+
+
 def scrape(metrics_url: str) -> dict[str, Load]:
     """{model: Load} as the Prometheus endpoint at `metrics_url` shows them now."""
     return parse_loads(metrics.scrape(metrics_url, SCRAPE_TIMEOUT_S))
