@@ -9,7 +9,7 @@ cores with the same seeded traffic, each on a fresh server (the load points of `
 compare`, whose equal-budget spec this uses). Prints one table, each figure aggregated | disaggregated |
 ratio: p95 ITL, p50 TTFT, SLO attainment; then per prompt length the goodput (DistServe's: the highest
 rate whose attainment is >= 90%, every lower one too) and where disaggregated wins or loses. Writes the
-same as JSON to <out>/crossover.json. A benchmark: minutes per load point, not a test.
+same as JSON to <out>/crossover.json, with each run's samples beside it. A benchmark: minutes per load point, not a test.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ class Point:
     rate: float
     aggregated: RunStats
     disaggregated: RunStats
+    samples: dict[str, str]  # deployment -> its samples file, relative to crossover.json (`loadtest plan --check`)
 
     def ratio(self, figure: str, p: str) -> float | None:
         a, d = getattr(self.aggregated, figure)[p], getattr(self.disaggregated, figure)[p]
@@ -126,11 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     for length, (path, w) in zip(lengths, variants):
         for rate in rates:
-            stats = {}
+            stats, samples = {}, {}
             for deployment in DEPLOYMENTS:  # interleaved, so a drift in the machine's load hits both
                 samples_path, _ = run_point(deployment, rate, spec, str(path), w, out / f"{length}tokens")
                 stats[deployment] = run_stats(read_samples([samples_path]), slo)
-            points.append(Point(length, rate, **stats))
+                samples[deployment] = str(samples_path.relative_to(out))
+            points.append(Point(length, rate, **stats, samples=samples))
             print("\n".join(table(points[-1:])[1:]), flush=True)
     lines, goodputs = verdicts(points)
     print("\n".join(["", *table(points), "", *lines]), flush=True)

@@ -5,7 +5,7 @@
     python -m loadtest plan --check results/crossover-*/crossover.json    # predictions vs measured runs
 
 1. Builds `--config` and profiles each role's engine on this machine (timed steps, one BLAS thread, as
-   the load tests serve; disagg.planner.profile), cached in <build_dir>/planner-profile.json per engine.
+   the load tests serve: decode steps by batch size, steps with prompt tokens; disagg.planner.profile), cached in <build_dir>/planner-profile.json per engine.
    Then measures what the rest of a deployment costs per output token on this machine's CPU (servers,
    Python models, the engines' bookkeeping, the client: `python -m disagg.bench front`'s driver with the
    engines' compute skipped, through `ensemble` and `aggregated`), since here it shares the cores with the
@@ -14,8 +14,9 @@
    and the all-aggregated deployment under the workload (disagg.planner.simulate); prints each one's
    goodput (highest rate with >= 90% of requests within both SLOs) per instance and its predicted p50
    TTFT, p95 ITL and attainment at the workload's rate, then the recommendation.
-3. `--check`: for each load point of `python -m loadtest crossover` runs, the same traffic simulated on
-   the deployments that ran it, printed beside the measured figures with the relative error.
+3. `--check`: for each load point of `python -m loadtest crossover` runs, the requests that run sent
+   (replayed from its samples: send times, prompt lengths, tokens received) simulated on the deployment
+   that served them, printed beside the measured figures with the relative error.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ from disagg.engine.config import EngineConfig
 from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner import profile as profile_module
 from disagg.planner.profile import StepModel, profile_engine
-from disagg.planner.simulate import Deployment, EngineLimits, Host
+from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest
 from disagg.spec import DeploymentSpec
 from loadtest.compare import THREAD_ENV, compare_spec
+from loadtest.samples import Sample, read_samples
 from loadtest.workload import Workload, load_workload
 
 
@@ -124,8 +126,16 @@ def print_plan(planner: Planner, instances: int, traffic: Traffic) -> None:
         print("plan: aggregated serving does at least as well as any split for this workload")
 
 
+def replayed(samples: list[Sample]) -> list[SimRequest]:
+    """A measured run's requests as the simulation takes them: sent when they were sent, with their prompt
+    and as many tokens as their client received."""
+    start = min(s.t_send for s in samples)
+    return [SimRequest(s.t_send - start, s.prompt_tokens, max(1, s.n_out)) for s in sorted(samples, key=lambda s: s.t_send) if s.ok]
+
+
 def check(planner: Planner, workload: Workload, results: list[Path]) -> None:
-    """Predicted vs measured for every crossover load point, and the median relative errors."""
+    """Predicted vs measured for every crossover load point (each run's own requests, replayed), and the
+    median relative errors."""
     errors: dict[str, list[float]] = {"p50 TTFT": [], "p95 ITL": []}
     print(f"{'prompt':>6} {'req/s':>5} {'deployment':<24} | {'p50 TTFT ms pred | meas | err':^29} | "
           f"{'p95 ITL ms pred | meas | err':^28} | attainment pred | meas")
@@ -136,8 +146,7 @@ def check(planner: Planner, workload: Workload, results: list[Path]) -> None:
             for name in ("aggregated", "disaggregated"):
                 measured = point[name]
                 deployment = Deployment(aggregated=2) if name == "aggregated" else Deployment(prefill=1, decode=1)
-                # as many requests as the measured run sent: past saturation its queue is that long, no longer
-                p = predict(planner.run(deployment, traffic, traffic.rate, count=measured["requests"]), traffic)
+                p = predict(planner.replay(deployment, replayed(read_samples([path.parent / point["samples"][name]]))), traffic)
                 row = []
                 for label, pred, meas in (("p50 TTFT", p.ttft_p50_s, measured["ttft_ms"]["p50"]),
                                           ("p95 ITL", p.itl_p95_s, measured["itl_ms"]["p95"])):
@@ -173,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {kind}: {host.cores:g} cores shared by the engines and a front costing {host.front_s_per_token * 1e3:.2f} ms "
               "of CPU per output token")
     for role, model in planner.steps.items():
-        d, q = model.decode, model.prompt
-        print(f"plan: {role} steps: decode {d.base_s * 1e3:.2f} ms + {d.per_token_s * 1e6:.0f} us/sequence + "
-              f"{d.per_attended_s * 1e9:.2f} ns/attended token; with prompt tokens {q.base_s * 1e3:.2f} ms + "
+        q = model.prompt
+        decode = ", ".join(f"{b}: {model.decode_s(b, 1024) * 1e3:.0f}" for b in model.decode.batches)
+        print(f"plan: {role} steps: decode at 1k-token contexts, ms by batch {decode}; with prompt tokens {q.base_s * 1e3:.2f} ms + "
               f"{q.per_token_s * 1e6:.0f} us/token + {q.per_attended_s * 1e9:.2f} ns/attended token (fit within {model.fit_error:.0%})")
     instances = a.instances or spec.roles["prefill"].instances + spec.roles["decode"].instances
     traffic = traffic_of(workload, a.rate)

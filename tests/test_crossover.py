@@ -39,10 +39,10 @@ def _stats(deployment: str, rate: float, itl_p95: float, ttft_p50: float, attain
 
 def test_verdicts_find_where_disaggregated_wins_on_itl_and_goodput():
     points = [
-        Point(256, 1.0, _stats("aggregated", 1.0, 10, 50, 1.0), _stats("disaggregated", 1.0, 12, 60, 1.0)),
-        Point(256, 2.0, _stats("aggregated", 2.0, 12, 55, 0.95), _stats("disaggregated", 2.0, 14, 70, 0.92)),
-        Point(1920, 1.0, _stats("aggregated", 1.0, 100, 900, 0.95), _stats("disaggregated", 1.0, 40, 1200, 1.0)),
-        Point(1920, 2.0, _stats("aggregated", 2.0, 160, 1500, 0.5), _stats("disaggregated", 2.0, 60, 2000, 0.91)),
+        Point(256, 1.0, _stats("aggregated", 1.0, 10, 50, 1.0), _stats("disaggregated", 1.0, 12, 60, 1.0), {}),
+        Point(256, 2.0, _stats("aggregated", 2.0, 12, 55, 0.95), _stats("disaggregated", 2.0, 14, 70, 0.92), {}),
+        Point(1920, 1.0, _stats("aggregated", 1.0, 100, 900, 0.95), _stats("disaggregated", 1.0, 40, 1200, 1.0), {}),
+        Point(1920, 2.0, _stats("aggregated", 2.0, 160, 1500, 0.5), _stats("disaggregated", 2.0, 60, 2000, 0.91), {}),
     ]
     lines, goodputs = verdicts(points)
     assert goodputs == {256: {"aggregated": 2.0, "disaggregated": 2.0}, 1920: {"aggregated": 1.0, "disaggregated": 2.0}}
@@ -75,5 +75,6 @@ def test_a_short_crossover_runs_every_point_on_both_deployments(new_project, tmp
         for deployment in ("aggregated", "disaggregated"):
             assert p[deployment]["requests"] >= 3 and p[deployment]["errors"] == 0
             assert p[deployment]["itl_ms"]["p95"] > 0
+            assert p["samples"][deployment] == f"{p['prompt_tokens']}tokens/samples/{deployment}-2rps.jsonl"
     assert [line.split(":")[0] for line in result["verdicts"]] == ["16 tokens", "100 tokens"]
     assert result["verdicts"][0] in proc.stdout

@@ -1,27 +1,46 @@
 """The planner: step-model fit, the simulated schedule step by step, the split search, a profiled engine."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from disagg.planner.plan import Planner, Traffic, predict
-from disagg.planner.profile import Linear, StepModel, fit, profile_engine
+from disagg.planner.profile import DecodeTable, Linear, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
+from loadtest.plan import check, replayed
+from loadtest.samples import Sample, read_samples
+from loadtest.workload import load_workload
 
 MS = 1e-3
-FLAT = StepModel(Linear(1 * MS, 0.0, 0.0), Linear(1 * MS, 0.0, 0.0), 0.0)  # every step 1 ms
+FLAT = StepModel(DecodeTable((1,), (1 * MS,), (0.0,)), Linear(1 * MS, 0.0, 0.0), 0.0)  # every step 1 ms
 
 
 def test_fit_recovers_the_step_model_it_was_sampled_from():
-    truth = StepModel(decode=Linear(4 * MS, 1e-6, 60e-9), prompt=Linear(2 * MS, 170e-6, 0.8e-9), fit_error=0.0)
-    prompt = [(n, n * (n + 1) / 2, truth.prefill_s(n)) for n in (16, 256, 1024)]
-    prompt += [(64, 64 * (o + 32.5), truth.step_s(64, 64 * (o + 32.5), True)) for o in (0, 512, 1536)]
-    decode = [(b, b * c, truth.decode_s(b, c)) for b in (1, 8, 32) for c in (100, 1000)]
-    got = fit(decode, prompt)
-    for part in ("decode", "prompt"):
-        for coef in ("base_s", "per_token_s", "per_attended_s"):
-            assert getattr(getattr(got, part), coef) == pytest.approx(getattr(getattr(truth, part), coef), rel=1e-6)
-    assert got.fit_error < 1e-9
-    assert StepModel.from_dict({"decode": vars(truth.decode), "prompt": vars(truth.prompt), "fit_error": 0.0}) == truth
+    # a CPU's decode: batch 2 far dearer than batch 1 (matrix-matrix products), then nearly flat
+    truth = StepModel(DecodeTable((1, 2, 8, 32), (4 * MS, 11 * MS, 13 * MS, 30 * MS), (6e-6, 6e-6, 5e-6, 5e-6)),
+                      Linear(2 * MS, 170e-6, 0.8e-9), fit_error=0.0)
+    steps = [Timed(b, b * c, 0, 0.0, truth.decode_s(b, c)) for b in (1, 2, 8) for c in (100, 1000)]
+    steps.append(Timed(32, 32 * 100, 0, 0.0, truth.decode_s(32, 100)))  # one context only: the neighbour's slope
+    steps += [Timed(0, 0.0, n, n * (n + 1) / 2, truth.prefill_s(n)) for n in (16, 256, 1024)]
+    steps += [Timed(d, d * 300.0, 64, 64 * (o + 32.5), truth.step_s(d, d * 300.0, 64, 64 * (o + 32.5)))
+              for d, o in ((4, 0), (4, 512), (16, 1536))]  # chunks beside decodes
+    got = fit(steps)
+    assert got.decode.batches == truth.decode.batches
+    assert got.decode.base_s == pytest.approx(truth.decode.base_s, rel=1e-6)
+    assert got.decode.per_attended_s == pytest.approx(truth.decode.per_attended_s, rel=1e-6)
+    for coef in ("base_s", "per_token_s", "per_attended_s"):
+        assert getattr(got.prompt, coef) == pytest.approx(getattr(truth.prompt, coef), rel=1e-6)
+    assert got.fit_error < 1e-6
+    # between profiled batches: linear in the batch size
+    assert got.decode_s(5, 500) == pytest.approx((11 * MS + 13 * MS) / 2 + (6e-6 + 5e-6) / 2 * 5 * 500, rel=1e-6)
+    raw = {"decode": vars(truth.decode), "prompt": vars(truth.prompt), "fit_error": 0.0}
+    assert StepModel.from_dict(json.loads(json.dumps(raw))) == truth
+
+
+def test_a_decode_batch_timed_at_one_context_is_no_slope():
+    with pytest.raises(ValueError, match="one context"):
+        fit([Timed(4, 4 * 100 + i * 4, 0, 0.0, 10 * MS) for i in range(4)] + [Timed(0, 0.0, 16, 136.0, 5 * MS)])
 
 
 def test_aggregated_chunks_a_prompt_over_steps_and_decodes_one_token_per_step():
@@ -47,7 +66,7 @@ def test_disaggregated_hands_off_after_the_context_phase():
         "prefill": EngineLimits(2, 512, False, 16),
         "decode": EngineLimits(8, 8, True, 16),
     }
-    steps = {"prefill": StepModel(Linear(0.0, 0.0, 0.0), Linear(0.0, 0.1 * MS, 0.0), 0.0), "decode": FLAT}
+    steps = {"prefill": StepModel(DecodeTable((1,), (0.0,), (0.0,)), Linear(0.0, 0.1 * MS, 0.0), 0.0), "decode": FLAT}
     req = SimRequest(0.0, 200, 4)
     simulate(Deployment(prefill=1, decode=1), steps, limits, [req], lambda n: n * 0.01 * MS)
     # prefill 200 x 0.1 ms = 20 ms (first token), handoff 2 ms, then a token per 1 ms decode step
@@ -92,7 +111,8 @@ def test_a_busy_front_delivers_every_request_s_tokens_in_order():
 
 
 def _planner() -> Planner:
-    model = StepModel(Linear(5 * MS, 0.05 * MS, 0.0), Linear(5 * MS, 0.5 * MS, 1e-7), 0.0)  # a long prompt: tens of decode steps
+    decode = DecodeTable((1, 32), (5.05 * MS, 6.6 * MS), (0.0, 0.0))
+    model = StepModel(decode, Linear(5 * MS, 0.5 * MS, 1e-7), 0.0)  # a long prompt: tens of decode steps
     limits = {"prefill": EngineLimits(2, 2048, False, 32), "decode": EngineLimits(32, 64, True, 32),
               "aggregated": EngineLimits(32, 256, True, 32)}
     return Planner({"prefill": model, "decode": model, "aggregated": model}, limits, lambda n: 0.0, requests=150)
@@ -116,3 +136,32 @@ def test_profile_of_the_tiny_engine_fits_its_steps(cpu_tiny_project):
     model = profile_engine(cpu_tiny_project / "build" / "engines" / "aggregated", progress=False)
     # Sub-millisecond steps on a shared 2-core machine are noisy: only what no noise can turn around.
     assert model.prefill_s(256) > 4 * model.decode_s(1, 16)
+    assert model.decode.batches == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # every size up to the engine's 32
+
+
+def _sample(model: str, t_send: float, prompt: int, tokens: int) -> Sample:
+    return Sample(model, 0, prompt, tokens, False, 2.0, 8, None, 0.0, t_send, tuple(t_send + 0.01 * i for i in range(tokens)),
+                  (1,) * tokens, t_send + 0.1)
+
+
+def test_check_replays_each_measured_run_s_own_requests(tmp_path, capsys):
+    # a measured run's two requests, sent 0.5 s apart (perf_counter stamps), 3 tokens each
+    point = {"prompt_tokens": 32, "rate": 2.0, "samples": {}}
+    for model, deployment in (("aggregated", "aggregated"), ("ensemble", "disaggregated")):
+        path = tmp_path / f"{deployment}.jsonl"
+        path.write_text("".join(s.to_json() + "\n" for s in (_sample(model, 100.0, 16, 3), _sample(model, 100.5, 32, 3))))
+        point["samples"][deployment] = path.name
+        point[deployment] = {"ttft_ms": {"p50": 2.0}, "itl_ms": {"p95": 1.0}, "slo_attainment": 1.0}
+    (tmp_path / "crossover.json").write_text(json.dumps({"points": [point]}))
+    limits = {"prefill": EngineLimits(2, 512, False, 16), "decode": EngineLimits(8, 8, True, 16),
+              "aggregated": EngineLimits(8, 64, True, 16)}
+    planner = Planner({"prefill": FLAT, "decode": FLAT, "aggregated": FLAT}, limits, lambda n: 0.0)
+    replayed_requests = replayed(read_samples([tmp_path / "aggregated.jsonl"]))
+    assert [(r.arrival, r.prompt, r.output) for r in replayed_requests] == [(0.0, 16, 3), (0.5, 32, 3)]
+    check(planner, load_workload("quick"), [tmp_path / "crossover.json"])
+    out = capsys.readouterr().out
+    # aggregated: each prompt in one 1 ms step, then a token per 1 ms step: TTFT 1 ms against 2 measured
+    assert "aggregated x2" in out and "1 |      2 |   -50%" in out
+    # disaggregated: prefill step, then the decode engine's import step: TTFT 1 ms, an ITL of 1 ms as measured
+    assert "p50 TTFT prediction error: median 50%, worst 50% over 2 runs" in out
+    assert "p95 ITL prediction error: median 0%, worst 0% over 2 runs" in out

@@ -82,13 +82,15 @@ class Planner:
         self.steps, self.limits, self.handoff_s, self.hosts = steps, limits, handoff_s, hosts or {}
         self.requests = requests
 
-    def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None,
-            count: int | None = None) -> list[SimRequest]:
+    def replay(self, deployment: Deployment, requests: list[SimRequest], decode_batch: int | None = None) -> list[SimRequest]:
+        """Given requests (a measured run's, say) through the deployment, with decode's batch limit if given."""
         limits = self.limits
         if decode_batch is not None:
             limits = {**limits, "decode": replace(limits["decode"], max_batch_size=decode_batch)}
-        return simulate(deployment, self.steps, limits, traffic.requests(rate, count or self.requests), self.handoff_s,
-                        self.hosts.get(deployment.kind))
+        return simulate(deployment, self.steps, limits, requests, self.handoff_s, self.hosts.get(deployment.kind))
+
+    def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None) -> list[SimRequest]:
+        return self.replay(deployment, traffic.requests(rate, self.requests), decode_batch)
 
     def goodput(self, deployment: Deployment, traffic: Traffic, decode_batch: int | None = None) -> float:
         def meets(rate: float) -> bool:

@@ -1,12 +1,18 @@
-"""Step times of a role's engine, measured on the engine itself and fitted to a two-regime linear model.
+"""Step times of a role's engine, measured on the engine itself: a table for steps that only generate,
+a linear model for steps with prompt tokens.
 
-A step that computes only generating sequences' tokens reads every weight once whatever the batch, so it
-costs `decode`: base + per_token * N + per_attended * A, with N the sequences and A the attention work (the
-sum of their contexts). A step with prompt tokens (a prefill, or a chunk beside the decodes) is bound by
-the matmuls over its N new tokens: `prompt`, the same three terms fitted on such steps, where a prompt or
-chunk of n tokens after o cached ones attends to n * (o + (n + 1) / 2). Timed in this process with the
-engine's own code (one BLAS thread, as `loadtest compare` serves); the fit's worst relative error over the
-timed steps is kept beside it.
+A step that computes only generating sequences' tokens costs `decode`: at each profiled batch size N,
+base + per_attended * A, with A the attention work (the sum of their contexts); between profiled sizes,
+linear in N. A table, not one line in N: on a CPU one sequence's matmuls are vector-matrix products and
+two or more sequences' are matrix-matrix products, dearer per weight read (bench-100mb here, ~1k-token
+contexts: 19.5 ms at batch 1, 53.5 ms at 2, 65 ms at 3, 68 ms at 4), which a line through batch 1 and 4
+missed by half. A step with prompt tokens (a prefill, or a chunk beside the decodes) is bound by the
+matmuls over all its new tokens: `prompt`, base + per_token * new + per_attended * P, where a prompt or
+chunk of n tokens after o cached ones attends to P = n * (o + (n + 1) / 2); its decodes' attention is
+added at the decode table's rate. Timed in this process with the engine's own code (one BLAS thread, as
+`loadtest compare` serves); decode batches get their contexts by importing one prefilled prompt's KV, as
+a generation-only request does, so no batch waits for its prompts. The worst relative error over the
+timed steps is kept beside the model.
 """
 from __future__ import annotations
 
@@ -18,9 +24,19 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from disagg.engine.engine import LLMEngine, Request
+from disagg.engine.engine import ContextPhase, LLMEngine, Request, Status
 
-Sample = tuple[int, float, float]  # (new tokens, attended, seconds) of one timed step
+
+@dataclass(frozen=True)
+class Timed:
+    """One timed step: its generating sequences and their summed contexts, its prompt tokens and their
+    attention work."""
+
+    decodes: int
+    decode_attended: float
+    prompt_tokens: int
+    prompt_attended: float
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -34,105 +50,184 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class DecodeTable:
+    batches: tuple[int, ...]
+    base_s: tuple[float, ...]
+    per_attended_s: tuple[float, ...]
+
+    def per_attended(self, batch: int) -> float:
+        return float(np.interp(batch, self.batches, self.per_attended_s))
+
+    def __call__(self, batch: int, attended: float) -> float:
+        return float(np.interp(batch, self.batches, self.base_s)) + self.per_attended(batch) * attended
+
+
+@dataclass(frozen=True)
 class StepModel:
-    decode: Linear
+    decode: DecodeTable
     prompt: Linear
     fit_error: float  # the largest |predicted - measured| / measured over the timed steps
 
-    def step_s(self, new_tokens: int, attended: float, prompt_tokens: bool) -> float:
-        return (self.prompt if prompt_tokens else self.decode)(new_tokens, attended)
+    def step_s(self, decodes: int, decode_attended: float, prompt_tokens: int = 0, prompt_attended: float = 0.0) -> float:
+        if not prompt_tokens:
+            return self.decode(decodes, decode_attended)
+        return self.prompt(decodes + prompt_tokens, prompt_attended) + self.decode.per_attended(decodes) * decode_attended
 
     def prefill_s(self, n: int) -> float:
-        return self.prompt(n, n * (n + 1) / 2)
+        return self.step_s(0, 0.0, n, n * (n + 1) / 2)
 
     def decode_s(self, batch: int, context: float) -> float:
-        return self.decode(batch, batch * context)
+        return self.step_s(batch, batch * context)
 
     @classmethod
     def from_dict(cls, raw: dict) -> StepModel:
-        return cls(Linear(**raw["decode"]), Linear(**raw["prompt"]), raw["fit_error"])
+        table = DecodeTable(*(tuple(raw["decode"][k]) for k in ("batches", "base_s", "per_attended_s")))
+        return cls(table, Linear(**raw["prompt"]), raw["fit_error"])
 
 
-def fit_linear(samples: list[Sample]) -> tuple[Linear, float]:
-    """The least-squares Linear (relative errors: a 5 ms step counts as much as a 2 s one), its worst error."""
-    x = np.array([[1.0, n, a] for n, a, _ in samples])
-    y = np.array([s for _, _, s in samples])
-    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
-    coef = np.maximum(coef, 0.0)
-    return Linear(*map(float, coef)), float(np.max(np.abs(x @ coef - y) / y))
+def fit_decode(steps: list[Timed]) -> DecodeTable:
+    """Per batch size, the least-squares line in the attention work (relative errors); a batch timed at one
+    context only (the KV pool too small for the longer one) takes its neighbour's slope."""
+    batches = sorted({s.decodes for s in steps})
+    slopes: dict[int, float] = {}
+    for b in batches:
+        mine = [s for s in steps if s.decodes == b]
+        attended = [s.decode_attended for s in mine]
+        if max(attended) >= 2 * min(attended):  # two contexts, not one growing a token a step
+            x = np.array([[1.0, s.decode_attended] for s in mine])
+            y = np.array([s.seconds for s in mine])
+            coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
+            slopes[b] = max(float(coef[1]), 0.0)
+    if not slopes:
+        raise ValueError("decode steps timed at one context only: no attention slope")
+    known = sorted(slopes)
+    slope = [slopes.get(b, slopes[min(known, key=lambda k: abs(k - b))]) for b in batches]
+    base = [float(np.median([s.seconds - a * s.decode_attended for s in steps if s.decodes == b])) for b, a in zip(batches, slope)]
+    return DecodeTable(tuple(batches), tuple(max(v, 0.0) for v in base), tuple(slope))
 
 
-def fit(decode: list[Sample], prompt: list[Sample]) -> StepModel:
-    d, d_err = fit_linear(decode)
-    p, p_err = fit_linear(prompt)
-    return StepModel(d, p, max(d_err, p_err))
+def fit_prompt(steps: list[Timed], decode: DecodeTable) -> Linear:
+    """The least-squares Linear over steps with prompt tokens, their decodes' attention taken out first."""
+    x = np.array([[1.0, s.decodes + s.prompt_tokens, s.prompt_attended] for s in steps])
+    y = np.array([s.seconds - decode.per_attended(s.decodes) * s.decode_attended for s in steps])
+    w = np.array([s.seconds for s in steps])  # relative errors: a 5 ms step counts as much as a 2 s one
+    coef, *_ = np.linalg.lstsq(x / w[:, None], y / w, rcond=None)
+    return Linear(*(max(float(c), 0.0) for c in coef))
 
 
-def _steps(engine: LLMEngine) -> None:
-    while engine.has_work():
-        engine.step()
+def fit(steps: list[Timed]) -> StepModel:
+    decode = fit_decode([s for s in steps if not s.prompt_tokens])
+    model = StepModel(decode, fit_prompt([s for s in steps if s.prompt_tokens], decode), 0.0)
+    worst = max(abs(model.step_s(s.decodes, s.decode_attended, s.prompt_tokens, s.prompt_attended) - s.seconds) / s.seconds
+                for s in steps)
+    return StepModel(model.decode, model.prompt, float(worst))
 
 
 def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
     """Times prompts (whole, or chunk by chunk where the engine chunks them) at lengths up to the engine's
-    max input length, and decode steps at batch sizes up to its max batch and two context lengths. One
-    BLAS thread, as the engine model serves (disagg.triton.engine_model)."""
+    max input length, decode steps at batch sizes up to its max batch and two context lengths, and, where it
+    chunks prompts, chunks beside a batch of decodes. One BLAS thread, as the engine model serves
+    (disagg.triton.engine_model)."""
     with threadpool_limits(1, user_api="blas"):
-        return _profile(LLMEngine(engine_dir), engine_dir.name, progress)
+        return _Profiler(LLMEngine(engine_dir)).run(engine_dir.name, progress)
 
 
-def _profile(engine: LLMEngine, name: str, progress: bool) -> StepModel:
-    b = engine.config.build
-    vocab = engine.config.model.vocab_size
-    rng = np.random.default_rng(0)
-    longest = min(b.max_input_len, b.max_seq_len - 8)
-    lengths = sorted({max(8, int(longest * f)) for f in (0.05, 0.25, 0.5, 1.0)})
-    lengths = [n for n in lengths if n <= b.max_num_tokens or b.enable_chunked_context]
-    batches = sorted({n for n in (1, 4, 16, b.max_batch_size) if n <= b.max_batch_size})
-    contexts = sorted({max(16, int((b.max_seq_len - 8) * f)) for f in (0.1, 0.8)})
+DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+TIMED_STEPS = 4
+PROMPTING = (Status.WAITING, Status.CONTEXT)
 
-    def prompt(n: int) -> tuple[int, ...]:
-        return tuple(int(t) for t in rng.integers(2, vocab, n))
 
-    engine.generate([Request("warm", prompt(lengths[0]), 2)])
-    decode: list[Sample] = []
-    prompted: list[Sample] = []
+class _Profiler:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.build = engine.config.build
+        self.rng = np.random.default_rng(0)
+        self.steps: list[Timed] = []
+        self._ids = 0
 
-    def new_tokens(batch: int, context: int) -> int:
-        """Enough to be still generating once the batch's last prompt is in (twice the steps its prompts
-        take at the smallest chunk, the budget left beside the batch's decodes): a sequence that ended
-        early would leave a smaller batch."""
-        chunk = max(b.tokens_per_block, (b.max_num_tokens - batch) // b.tokens_per_block * b.tokens_per_block)
-        chunks = -(-context // chunk) if b.enable_chunked_context else 1
-        return max(6, min(b.max_seq_len - context, 2 * batch * chunks + 6))
+    def _id(self) -> str:
+        self._ids += 1
+        return f"profile-{self._ids}"
 
-    room = b.kv_cache_blocks * b.tokens_per_block
-    work = [("prompt", n) for n in lengths] + [
-        ("decode", (bs, c)) for bs in batches for c in contexts if bs * (c + new_tokens(bs, c) + b.tokens_per_block) <= room]
-    for i, (kind, arg) in enumerate(tqdm(work, desc=f"profile {name}", disable=not progress, leave=False)):
-        if kind == "prompt":
-            engine.add_request(Request(f"p{i}", prompt(arg), 1))
-            cached = 0
-            while cached < arg:  # a chunk per step: the rest, or the budget rounded down to whole blocks
-                size = min(arg - cached, b.max_num_tokens // b.tokens_per_block * b.tokens_per_block)
-                t = time.perf_counter()
-                engine.step()
-                prompted.append((size, size * (cached + (size + 1) / 2), time.perf_counter() - t))
-                cached += size
-            _steps(engine)
-            continue
-        batch, context = arg
-        for j in range(batch):
-            engine.add_request(Request(f"d{i}-{j}", prompt(context), new_tokens(batch, context)))
-        while engine.waiting or any(s.num_generated == 0 for s in engine.running.values()):
-            engine.step()  # their prompts
-        for _ in range(4):
-            running = list(engine.running.values())  # the batch as it is, should KV room have cut it short
-            if not running:
-                break
-            t = time.perf_counter()
-            engine.step()
-            decode.append((len(running), sum(len(s.tokens) for s in running), time.perf_counter() - t))
-        for seq in list(engine.running.values()):
-            engine.abort(seq.req_id)  # the rest of their tokens would time nothing new
-    return fit(decode, prompted)
+    def _prompt(self, n: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.rng.integers(2, self.engine.config.model.vocab_size, n))
+
+    def _timed_step(self) -> None:
+        """One step, recorded with what it computed (read from the engine's own sequences)."""
+        e = self.engine
+        decoding = [s for s in e.running.values() if s.status is Status.RUNNING]
+        prompting = {s.req_id: s.num_cached for s in [*e.running.values(), *e.waiting] if s.status in PROMPTING}
+        t = time.perf_counter()
+        e.step()
+        seconds = time.perf_counter() - t
+        sizes = [(e.find(req_id).num_cached - before, before) for req_id, before in prompting.items()]
+        self.steps.append(Timed(len(decoding), float(sum(len(s.tokens) for s in decoding)), sum(n for n, _ in sizes),
+                                sum(n * (o + (n + 1) / 2) for n, o in sizes), seconds))
+
+    def _prompt_steps(self, n: int, request_type: str = "context_and_generation") -> str:
+        """A prompt of n tokens, every step of its context phase timed; its id (held or generating: its caller
+        releases or aborts it)."""
+        req_id = self._id()
+        self.engine.add_request(Request(req_id, self._prompt(n), 2, request_type))
+        while self.engine.find(req_id).status in PROMPTING:
+            self._timed_step()
+        return req_id
+
+    def _prefilled(self, context: int) -> tuple[tuple[int, ...], ContextPhase]:
+        """A prompt of `context` tokens and its KV, as a generation-only request takes them."""
+        e = self.engine
+        req_id = self._prompt_steps(context, "context_only")
+        seq = e.held[req_id]
+        phase = ContextPhase(seq.tokens[-1], e.export_kv(req_id))
+        e.release(req_id)
+        return tuple(seq.request.prompt_ids), phase
+
+    def _import(self, batch: int, prompt: tuple[int, ...], context: ContextPhase, new_tokens: int) -> list[str]:
+        """`batch` generation-only sequences continuing from `context`, past their first (untimed) step."""
+        ids = [self._id() for _ in range(batch)]
+        for req_id in ids:
+            self.engine.add_request(Request(req_id, prompt, new_tokens, "generation_only", context=context))
+        self.engine.step()
+        return ids
+
+    def _decode_steps(self, batch: int, prompt: tuple[int, ...], context: ContextPhase) -> None:
+        ids = self._import(batch, prompt, context, 2 * TIMED_STEPS)
+        for _ in range(TIMED_STEPS):
+            self._timed_step()
+        for req_id in ids:
+            self.engine.abort(req_id)
+
+    def _mixed_steps(self, decodes: int, prompt: tuple[int, ...], context: ContextPhase) -> None:
+        """A prompt of three chunks beside `decodes` generating sequences, which outlive it."""
+        b = self.build
+        chunk = (b.max_num_tokens - decodes) // b.tokens_per_block * b.tokens_per_block
+        if chunk <= 0:
+            return
+        length = min(3 * chunk, b.max_input_len, b.max_seq_len - 2)
+        ids = self._import(decodes, prompt, context, -(-length // chunk) + 4)
+        ids.append(self._prompt_steps(length))
+        for req_id in ids:
+            self.engine.abort(req_id)
+
+    def run(self, name: str, progress: bool) -> StepModel:
+        b = self.build
+        longest = min(b.max_input_len, b.max_seq_len - 16)
+        lengths = sorted({max(8, int(longest * f)) for f in (0.05, 0.25, 0.5, 1.0)})
+        lengths = [n for n in lengths if n <= b.max_num_tokens or b.enable_chunked_context]
+        contexts = sorted({max(16, int(longest * f)) for f in (0.1, 0.8)})
+        room = b.kv_cache_blocks * b.tokens_per_block
+        batches = [n for n in DECODE_BATCHES if n <= b.max_batch_size]
+        decode_work = [(n, c) for n in batches for c in contexts if n * (c + 2 * TIMED_STEPS + b.tokens_per_block) <= room]
+        mixed = [n for n in (1, 4, 16) if n < b.max_batch_size] if b.enable_chunked_context else []
+        work = [("prompt", n) for n in lengths] + [("decode", w) for w in decode_work] + [("mixed", n) for n in mixed]
+        self.engine.generate([Request("warm", self._prompt(lengths[0]), 2)])
+        prefilled: dict[int, tuple[tuple[int, ...], ContextPhase]] = {}
+        for kind, arg in tqdm(work, desc=f"profile {name}", disable=not progress, leave=False):
+            if kind == "prompt":
+                self.engine.abort(self._prompt_steps(arg))
+                continue
+            batch, context = arg if kind == "decode" else (arg, contexts[0])
+            if context not in prefilled:
+                prefilled[context] = self._prefilled(context)
+            (self._decode_steps if kind == "decode" else self._mixed_steps)(batch, *prefilled[context])
+        return fit(self.steps)

@@ -117,12 +117,11 @@ class SimEngine:
                 budget -= size
         if not decoding and not self._chunks:
             return None
-        new = len(decoding) + sum(size for _, size in self._chunks)
-        attended = sum(s.req.prompt + s.generated for s in decoding)
-        attended += sum(size * (seq.cached + (size + 1) / 2) for seq, size in self._chunks)
         self._decoding = decoding
         self.busy = True
-        return self.steps.step_s(new, attended, prompt_tokens=bool(self._chunks))
+        return self.steps.step_s(len(decoding), sum(s.req.prompt + s.generated for s in decoding),
+                                 sum(size for _, size in self._chunks),
+                                 sum(size * (seq.cached + (size + 1) / 2) for seq, size in self._chunks))
 
     def finish_step(self) -> tuple[list[SimRequest], list[SimRequest]]:
         """Applies the planned step: the requests that got a token, and those whose context phase ended here
