@@ -1,8 +1,8 @@
-"""`python -m loadtest report|compare|crossover|plan|soak ...`"""
+"""`python -m loadtest report|compare|crossover|plan|splits|soak ...`"""
 import importlib
 import sys
 
-COMMANDS = ("report", "compare", "crossover", "plan", "soak")
+COMMANDS = ("report", "compare", "crossover", "plan", "splits", "soak")
 
 
 def main(argv: list[str]) -> int:

@@ -26,7 +26,7 @@ from disagg.cli import build
 from loadtest.compare import DEPLOYMENTS, THREAD_ENV, check_fits, compare_spec, run_point
 from loadtest.report import ATTAINMENT_TARGET, RunStats, Slo, goodput, run_stats
 from loadtest.samples import read_samples
-from loadtest.workload import Workload, load_workload
+from loadtest.workload import Workload, load_workload, workload_file
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="output directory (default: results/crossover-<timestamp>)")
     a = p.parse_args(argv)
 
-    base = Path(a.workload) if Path(a.workload).is_file() else Path(__file__).parent / "workloads" / f"{a.workload}.yaml"
+    base = workload_file(a.workload)
     workload = load_workload(base)
     rates = [float(r) for r in a.rates.split(",")] if a.rates else list(workload.sweep_rates or [workload.rate])
     lengths = [int(n) for n in a.prompt_tokens.split(",")]

@@ -5,11 +5,14 @@
     python -m loadtest plan --check results/crossover-*/crossover.json    # predictions vs measured runs
 
 1. Builds `--config` and profiles each role's engine on this machine (timed steps, one BLAS thread, as
-   the load tests serve: decode steps by batch size, steps with prompt tokens; disagg.planner.profile), cached in <build_dir>/planner-profile.json per engine.
+   the load tests serve: decode steps by batch size, steps with prompt tokens; disagg.planner.profile),
+   cached in <build_dir>/planner-profile.json per engine.
    Then measures what the rest of a deployment costs per output token on this machine's CPU (servers,
    Python models, the engines' bookkeeping, the client: `python -m disagg.bench front`'s driver with the
    engines' compute skipped, through `ensemble` and `aggregated`), since here it shares the cores with the
-   engines (disagg.planner.simulate.Host). `--no-host` leaves it out, as for engines on GPUs.
+   engines (disagg.planner.simulate.Host). `--no-host` leaves it out, as for engines on GPUs, and calibration.
+   Then calibrates: a few of the workload's requests, sent one at a time through each deployment, scale
+   each role's prompt and decode steps by measured over predicted TTFT and TPOT (`--no-calibration`: not).
 2. Simulates every prefill:decode split of `--instances` (and decode batch limits up to the engine's)
    and the all-aggregated deployment under the workload (disagg.planner.simulate); prints each one's
    goodput (highest rate with >= 90% of requests within both SLOs) per instance and its predicted p50
@@ -29,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from disagg.cli import build
 from disagg.engine.config import EngineConfig
@@ -37,9 +41,9 @@ from disagg.planner import profile as profile_module
 from disagg.planner.profile import StepModel, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest
 from disagg.spec import DeploymentSpec
-from loadtest.compare import THREAD_ENV, compare_spec
+from loadtest.compare import THREAD_ENV, compare_spec, run_point
 from loadtest.samples import Sample, read_samples
-from loadtest.workload import Workload, load_workload
+from loadtest.workload import Workload, load_workload, workload_file
 
 
 def traffic_of(workload: Workload, rate: float | None = None, prompt_tokens: int | None = None) -> Traffic:
@@ -81,6 +85,40 @@ def hosts(spec_path: Path, out: Path) -> dict[str, Host]:
     cores = len(os.sched_getaffinity(0))
     per_token = {r.path: sum(r.cpu_ms_per_token.values()) / 1e3 for r in rows}
     return {"disaggregated": Host(cores, per_token["ensemble"]), "aggregated": Host(cores, per_token["aggregated"])}
+
+
+CALIBRATION_REQUESTS = 3
+
+
+def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path) -> Planner:
+    """The planner with each role's steps scaled to what serving makes of them here and now: a few requests of
+    the workload, sent one at a time through each deployment (one instance per role, a fresh server), against
+    the same requests simulated one by one. Prompt steps take the median ratio of measured to predicted TTFT, decode steps
+    that of TPOT. It covers what the engine profile, timed in one process, leaves out: the step loop handing
+    tokens to Triton, the GIL shared with the model's other threads, the cores shared with the front, and this
+    machine's speed drifting between the profile and the runs."""
+    raw = yaml.safe_load(workload_path.read_text())
+    raw.update(name=f"{raw['name']}-calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120)
+    raw["arrival"] = {**raw["arrival"], "users": 1}  # closed loop, one at a time
+    path = out / "calibration.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    workload = load_workload(path)
+    steps = dict(planner.steps)
+    for kind, deployment, prompt_role, decode_role in (("aggregated", Deployment(aggregated=1), "aggregated", "aggregated"),
+                                                       ("disaggregated", Deployment(prefill=1, decode=1), "prefill", "decode")):
+        samples_path, _ = run_point(kind, None, spec, str(path), workload, out)
+        samples = [s for s in read_samples([samples_path]) if s.ok and s.tpot]
+        if not samples:
+            raise SystemExit(f"error: calibration: no {kind} request completed with two tokens or more (see {samples_path})")
+        predicted = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as served
+        ttft = float(np.median([s.ttft / r.ttft for s, r in zip(samples, predicted)]))
+        tpot = float(np.median([s.tpot / r.tpot for s, r in zip(samples, predicted)]))
+        steps[prompt_role] = steps[prompt_role].scaled(prompt=ttft)
+        steps[decode_role] = steps[decode_role].scaled(decode=tpot)
+        print(f"plan: calibration, {kind}: {len(samples)} requests one at a time served with {ttft:.2f}x the predicted TTFT "
+              f"and {tpot:.2f}x the TPOT: {prompt_role} prompt steps x{ttft:.2f}, {decode_role} decode steps x{tpot:.2f}", flush=True)
+    return Planner(steps, planner.limits, planner.handoff_s, planner.hosts, planner.requests)
 
 
 def limits_of(spec: DeploymentSpec) -> dict[str, EngineLimits]:
@@ -142,6 +180,9 @@ def check(planner: Planner, workload: Workload, results: list[Path]) -> None:
     for path in results:
         raw = json.loads(path.read_text())
         for point in raw["points"]:
+            if "samples" not in point:
+                raise SystemExit(f"error: {path} names no samples per run (crossover records them since the planner "
+                                 "replays them): run `python -m loadtest crossover` again")
             traffic = traffic_of(workload, point["rate"], point["prompt_tokens"])
             for name in ("aggregated", "disaggregated"):
                 measured = point[name]
@@ -169,15 +210,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, help="expected requests/s (default: the workload's)")
     p.add_argument("--check", type=Path, nargs="*", default=[], help="crossover.json files to compare predictions with")
     p.add_argument("--out", type=Path, default=Path("results/plan"), help="where the equal-budget spec is written")
-    p.add_argument("--no-host", action="store_true", help="simulate the engines alone: no front, no shared cores (as on GPUs)")
+    p.add_argument("--no-host", action="store_true", help="simulate the engines alone: no front, no shared cores (as on GPUs); "
+                   "no calibration")
+    p.add_argument("--no-calibration", action="store_true", help="the engines' steps as profiled, not scaled to requests served")
     a = p.parse_args(argv)
     os.environ.update(THREAD_ENV)
-    workload = load_workload(a.workload)
+    workload_path = workload_file(a.workload)
+    workload = load_workload(workload_path)
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))
     shared = {} if a.no_host else hosts(spec.source, a.out / "front")
     planner = Planner(profiles(spec), limits_of(spec), handoff(spec), shared)
+    if not (a.no_host or a.no_calibration):
+        planner = calibrated(planner, spec, workload_path, a.out / "calibration")
     for kind, host in shared.items():
         print(f"plan: {kind}: {host.cores:g} cores shared by the engines and a front costing {host.front_s_per_token * 1e3:.2f} ms "
               "of CPU per output token")

@@ -110,11 +110,14 @@ def _bins(raw: list[dict], key: str) -> tuple[LengthBin, ...]:
     return bins
 
 
-def load_workload(name_or_path: str | Path) -> Workload:
-    """A workload by file path, or by name from loadtest/workloads/ (`mixed` -> mixed.yaml)."""
+def workload_file(name_or_path: str | Path) -> Path:
+    """A workload's file: the path itself, or by name from loadtest/workloads/ (`mixed` -> mixed.yaml)."""
     path = Path(name_or_path)
-    if not path.is_file():
-        path = WORKLOAD_DIR / f"{name_or_path}.yaml"
+    return path if path.is_file() else WORKLOAD_DIR / f"{name_or_path}.yaml"
+
+
+def load_workload(name_or_path: str | Path) -> Workload:
+    path = workload_file(name_or_path)
     raw = yaml.safe_load(path.read_text())
     prefix = raw.get("shared_prefix", {})
     arrival = raw["arrival"]

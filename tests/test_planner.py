@@ -1,16 +1,21 @@
 """The planner: step-model fit, the simulated schedule step by step, the split search, a profiled engine."""
 from __future__ import annotations
 
+import contextlib
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from disagg.cli import build
 from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner.profile import DecodeTable, Linear, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
-from loadtest.plan import check, replayed
+from loadtest.compare import compare_spec
+from loadtest.plan import calibrated, check, limits_of, replayed
 from loadtest.samples import Sample, read_samples
-from loadtest.workload import load_workload
+from loadtest.workload import WORKLOAD_DIR, load_workload
 
 MS = 1e-3
 FLAT = StepModel(DecodeTable((1,), (1 * MS,), (0.0,)), Linear(1 * MS, 0.0, 0.0), 0.0)  # every step 1 ms
@@ -115,7 +120,7 @@ def _planner() -> Planner:
     model = StepModel(decode, Linear(5 * MS, 0.5 * MS, 1e-7), 0.0)  # a long prompt: tens of decode steps
     limits = {"prefill": EngineLimits(2, 2048, False, 32), "decode": EngineLimits(32, 64, True, 32),
               "aggregated": EngineLimits(32, 256, True, 32)}
-    return Planner({"prefill": model, "decode": model, "aggregated": model}, limits, lambda n: 0.0, requests=150)
+    return Planner({"prefill": model, "decode": model, "aggregated": model}, limits, lambda n: 0.0, requests=80)
 
 
 def test_goodput_grows_with_instances_and_options_come_best_first():
@@ -165,3 +170,33 @@ def test_check_replays_each_measured_run_s_own_requests(tmp_path, capsys):
     # disaggregated: prefill step, then the decode engine's import step: TTFT 1 ms, an ITL of 1 ms as measured
     assert "p50 TTFT prediction error: median 50%, worst 50% over 2 runs" in out
     assert "p95 ITL prediction error: median 0%, worst 0% over 2 runs" in out
+
+
+def test_scaling_a_step_model_scales_prompt_and_decode_steps_apart():
+    model = StepModel(DecodeTable((1, 8), (4 * MS, 10 * MS), (6e-6, 5e-6)), Linear(2 * MS, 170e-6, 1e-9), 0.1)
+    scaled = model.scaled(prompt=2.0, decode=1.5)
+    assert scaled.prefill_s(512) == pytest.approx(2.0 * model.prefill_s(512))
+    assert scaled.decode_s(4, 900) == pytest.approx(1.5 * model.decode_s(4, 900))
+    # a chunk beside decodes: its matmuls as a prompt step, the decodes' attention as decode steps
+    mixed = model.step_s(4, 3600.0, 256, 256 * 128.5) - model.decode.per_attended(4) * 3600.0
+    assert scaled.step_s(4, 3600.0, 256, 256 * 128.5) == pytest.approx(2.0 * mixed + 1.5 * model.decode.per_attended(4) * 3600.0)
+    assert scaled.fit_error == model.fit_error
+
+
+@pytest.mark.e2e
+def test_calibration_scales_steps_to_the_requests_it_served(cpu_tiny_project, tmp_path):
+    """Engines alone (no front in the simulation): every predicted TTFT is prompt steps and every TPOT decode
+    steps, so after calibration the median of measured over predicted is exactly 1 for both."""
+    with contextlib.chdir(cpu_tiny_project):
+        spec, _ = compare_spec(Path("configs/cpu-tiny.yaml"), tmp_path)
+        build(spec, log=lambda _line: None)
+        planner = Planner({"prefill": FLAT, "decode": FLAT, "aggregated": FLAT}, limits_of(spec), lambda n: 0.0)
+        tuned = calibrated(planner, spec, WORKLOAD_DIR / "quick.yaml", tmp_path / "calibration")
+    for kind, deployment in (("aggregated", Deployment(aggregated=1)), ("disaggregated", Deployment(prefill=1, decode=1))):
+        samples = [s for s in read_samples([tmp_path / "calibration" / "samples" / f"{kind}-1users.jsonl"]) if s.ok and s.tpot]
+        assert len(samples) == 3
+        before = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as it was served
+        after = [tuned.replay(deployment, replayed([s]))[0] for s in samples]
+        assert np.median([s.ttft / r.ttft for s, r in zip(samples, after)]) == pytest.approx(1.0)
+        assert np.median([s.tpot / r.tpot for s, r in zip(samples, after)]) == pytest.approx(1.0)
+        assert np.median([s.ttft / r.ttft for s, r in zip(samples, before)]) != pytest.approx(1.0, rel=0.05)  # 1 ms steps

@@ -16,6 +16,7 @@ timed steps is kept beside the model.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,11 +56,23 @@ class DecodeTable:
     base_s: tuple[float, ...]
     per_attended_s: tuple[float, ...]
 
+    def _at(self, values: tuple[float, ...], batch: int) -> float:
+        """values at `batch`: linear between the profiled sizes around it, the nearest one outside them
+        (plain Python: the simulation asks for every step)."""
+        sizes = self.batches
+        i = bisect.bisect_left(sizes, batch)
+        if i == 0:
+            return values[0]
+        if i == len(sizes):
+            return values[-1]
+        lo, hi = sizes[i - 1], sizes[i]
+        return values[i - 1] + (values[i] - values[i - 1]) * (batch - lo) / (hi - lo)
+
     def per_attended(self, batch: int) -> float:
-        return float(np.interp(batch, self.batches, self.per_attended_s))
+        return self._at(self.per_attended_s, batch)
 
     def __call__(self, batch: int, attended: float) -> float:
-        return float(np.interp(batch, self.batches, self.base_s)) + self.per_attended(batch) * attended
+        return self._at(self.base_s, batch) + self.per_attended(batch) * attended
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,12 @@ class StepModel:
 
     def decode_s(self, batch: int, context: float) -> float:
         return self.step_s(batch, batch * context)
+
+    def scaled(self, prompt: float = 1.0, decode: float = 1.0) -> StepModel:
+        """Steps with prompt tokens `prompt` times as long, steps that only generate `decode` times."""
+        d, p = self.decode, self.prompt
+        table = DecodeTable(d.batches, tuple(v * decode for v in d.base_s), tuple(v * decode for v in d.per_attended_s))
+        return StepModel(table, Linear(p.base_s * prompt, p.per_token_s * prompt, p.per_attended_s * prompt), self.fit_error)
 
     @classmethod
     def from_dict(cls, raw: dict) -> StepModel:

@@ -1,0 +1,148 @@
+"""`python -m loadtest splits`: the planner's choice of split against the best one found by measurement.
+
+    python -m loadtest splits                                  # 3 instances of cpu-bench, 1024-token prompts
+    python -m loadtest splits --instances 3 --prompt-tokens 1024 --rates 0.1,0.2,0.3 --seconds 40
+
+Every prefill:decode split of `--instances` engine instances (1:2 and 2:1 for 3) and aggregated x N serve
+the workload in turn, each at every rate on a fresh server, all on this machine's cores (more instances
+than cores share them, as the planner's `Host` has them share). Each deployment's measured goodput (the
+highest rate before the first whose attainment is under 90%) is printed beside the planner's prediction
+(`loadtest plan`'s profile, front cost, calibration and simulation, all measured just before the runs), and each run's measured p50 TTFT and attainment
+beside the planner's on that run's own requests. Then the planner's choice, the measured best, and the
+choice's measured goodput as a share of the best. Writes <out>/splits.json. A benchmark: minutes per run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from disagg.cli import build
+from disagg.planner.plan import Planner, predict
+from disagg.planner.simulate import Deployment
+from disagg.spec import DeploymentSpec, load_spec
+from loadtest.compare import THREAD_ENV, check_fits, run_point
+from loadtest.crossover import length_variant
+from loadtest.plan import calibrated, handoff, hosts, limits_of, profiles, replayed, traffic_of
+from loadtest.report import ATTAINMENT_TARGET, Slo, run_stats
+from loadtest.samples import read_samples
+from loadtest.workload import load_workload, workload_file
+
+
+def split_spec(config: Path, out: Path, instances: int, prefill: int) -> DeploymentSpec:
+    """`config` with `prefill` prefill and `instances - prefill` decode instances, and `instances` aggregated
+    ones, rendered into its own model repository under `out`."""
+    raw = yaml.safe_load(config.read_text())
+    for role, count in (("prefill", prefill), ("decode", instances - prefill), ("aggregated", instances)):
+        spec = raw["roles"].get(role)
+        if spec is None:
+            raise SystemExit(f"error: {config} has no role {role}: splits needs prefill, decode and aggregated")
+        if spec.get("tp", 1) * spec.get("pp", 1) != 1:
+            raise SystemExit(f"error: roles.{role}: splits counts one engine rank per instance, and tp * pp is not 1")
+        spec["instances"] = count
+    where = out / f"prefill{prefill}-decode{instances - prefill}"
+    where.mkdir(parents=True, exist_ok=True)
+    raw["output"] = {**raw.get("output", {}), "model_repository": str(where / "model_repository")}
+    path = where / "spec.yaml"
+    path.write_text(f"# {config}, {prefill} prefill + {instances - prefill} decode instances, for `python -m loadtest splits`\n"
+                    + yaml.safe_dump(raw, sort_keys=False))
+    return load_spec(path)
+
+
+@dataclass(frozen=True)
+class Run:
+    rate: float
+    ttft_p50_ms: tuple[float, float]  # measured, predicted
+    attainment: tuple[float, float]
+
+
+def goodput_of(runs: list[Run], which: int) -> float | None:
+    """The highest rate before the first (ascending) whose attainment is under the target (0: measured,
+    1: predicted); None when even the lowest misses it."""
+    best = None
+    for run in sorted(runs, key=lambda r: r.rate):
+        if run.attainment[which] < ATTAINMENT_TARGET:
+            break
+        best = run.rate
+    return best
+
+
+def verdict(measured: dict[str, float | None], predicted: dict[str, float]) -> str:
+    choice = max(predicted, key=lambda name: predicted[name])
+    if not any(measured.values()):
+        return f"splits: the planner chooses {choice}; no deployment met the SLOs at any rate measured: nothing to compare"
+    best = max(measured, key=lambda name: measured[name] or 0.0)
+    share = (measured[choice] or 0.0) / measured[best]
+    return (f"splits: the planner chooses {choice} (predicted {predicted[choice]:.2f} req/s); measured best {best} "
+            f"({measured[best]:g} req/s); the choice measured {measured[choice] or 0:g} req/s = {share:.0%} of the best")
+
+
+def _cell(run: Run) -> str:
+    return (f"{run.attainment[0]:.0%} / {run.attainment[1]:.0%}, "
+            f"{run.ttft_p50_ms[0]:.0f} / {run.ttft_p50_ms[1]:.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest splits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=Path("configs/cpu-bench.yaml"))
+    p.add_argument("--workload", default="prefill-heavy", help="workload YAML or name in loadtest/workloads/")
+    p.add_argument("--instances", type=int, default=3, help="engine instances to split (one process, one rank each)")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--rates", default="0.1,0.2,0.3", help="comma-separated request rates")
+    p.add_argument("--seconds", type=float, default=40.0, help="each run's duration")
+    p.add_argument("--out", type=Path, help="output directory (default: results/splits-<timestamp>)")
+    a = p.parse_args(argv)
+    if a.instances < 2:
+        raise SystemExit("error: --instances must be at least 2: one prefill and one decode instance")
+    base = workload_file(a.workload)
+    rates = sorted(float(r) for r in a.rates.split(","))
+    out = a.out or Path("results") / f"splits-{datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.update(THREAD_ENV)
+    workload_path, workload = length_variant(base, load_workload(base), a.prompt_tokens, a.seconds, out)
+    slo = Slo(workload.ttft_slo_ms, workload.tpot_slo_ms)
+    specs = {prefill: split_spec(a.config, out, a.instances, prefill) for prefill in range(1, a.instances)}
+    for spec in specs.values():
+        check_fits(spec, workload)
+        build(spec, log=lambda line: print(f"build: {line}", flush=True))
+    first = specs[1]
+    planner = Planner(profiles(first), limits_of(first), handoff(first), hosts(first.source, out / "front"))
+    planner = calibrated(planner, first, workload_path, out / "calibration")
+    traffic = traffic_of(workload, None, a.prompt_tokens)
+    deployments = [(Deployment(prefill=n, decode=a.instances - n), "disaggregated", spec) for n, spec in specs.items()]
+    deployments.append((Deployment(aggregated=a.instances), "aggregated", first))
+    print(f"splits: {a.instances} engine instances on {len(os.sched_getaffinity(0))} cores; prompts of {a.prompt_tokens} tokens "
+          f"at {', '.join(f'{r:g}' for r in rates)} req/s, {a.seconds:g} s each; SLO TTFT <= {slo.ttft_ms:g} ms, "
+          f"TPOT <= {slo.tpot_ms:g} ms", flush=True)
+    runs: dict[str, list[Run]] = {}
+    for deployment, kind, spec in deployments:
+        name = str(deployment)
+        runs[name] = []
+        for rate in rates:
+            samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, out / name.replace(" ", "").replace("+", "-"))
+            samples = read_samples([samples_path])
+            measured = run_stats(samples, slo)
+            pred = predict(planner.replay(deployment, replayed(samples)), traffic)
+            run = Run(rate, (measured.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3), (measured.slo_attainment, pred.attainment))
+            runs[name].append(run)
+            print(f"[{name} at {rate:g} req/s] {_cell(run)}", flush=True)
+    measured_goodput = {name: goodput_of(r, 0) for name, r in runs.items()}
+    predicted_goodput = {str(d): planner.goodput(d, traffic) for d, _, _ in deployments}
+    print(f"\n{'deployment':<24} | {'goodput req/s meas | pred':>25} | per rate: attainment meas / pred, p50 TTFT ms meas / pred")
+    for name, rs in runs.items():
+        cells = "; ".join(f"{r.rate:g}: {_cell(r)}" for r in rs)
+        meas = measured_goodput[name]
+        print(f"{name:<24} | {'-' if meas is None else f'{meas:g}':>11} | {predicted_goodput[name]:>11.2f} | {cells}")
+    line = verdict(measured_goodput, predicted_goodput)
+    print(line, flush=True)
+    (out / "splits.json").write_text(json.dumps({
+        "instances": a.instances, "prompt_tokens": a.prompt_tokens, "slo": asdict(slo),
+        "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
+        "goodput": {"measured": measured_goodput, "predicted": predicted_goodput}, "verdict": line,
+    }, indent=2))
+    return 0
