@@ -1,7 +1,7 @@
 """`python -m loadtest splits`: the planner's choice of split against the best one found by measurement.
 
-    python -m loadtest splits                                  # 3 instances of cpu-bench, 1024-token prompts
-    python -m loadtest splits --instances 3 --prompt-tokens 1024 --rates 0.1,0.2,0.3 --seconds 40
+    python -m loadtest splits                                  # 3 instances of cpu-bench, 512-token prompts
+    python -m loadtest splits --instances 3 --prompt-tokens 1024 --rates 0.05,0.1,0.2 --seconds 90
 
 Every prefill:decode split of `--instances` engine instances (1:2 and 2:1 for 3) and aggregated x N serve
 the workload in turn, each at every rate on a fresh server, all on this machine's cores (more instances
@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=Path("configs/cpu-bench.yaml"))
     p.add_argument("--workload", default="prefill-heavy", help="workload YAML or name in loadtest/workloads/")
     p.add_argument("--instances", type=int, default=3, help="engine instances to split (one process, one rank each)")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--rates", default="0.1,0.2,0.3", help="comma-separated request rates")
-    p.add_argument("--seconds", type=float, default=40.0, help="each run's duration")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--rates", default="0.1,0.2,0.3,0.4,0.5", help="comma-separated request rates")
+    p.add_argument("--seconds", type=float, default=60.0, help="each run's duration")
     p.add_argument("--out", type=Path, help="output directory (default: results/splits-<timestamp>)")
     a = p.parse_args(argv)
     if a.instances < 2:
