@@ -14,6 +14,7 @@ import argparse
 import csv
 import json
 import textwrap
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -132,18 +133,21 @@ def group_runs(samples: list[Sample]) -> dict[RunKey, list[Sample]]:
     return dict(sorted(runs.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1] or 0.0, kv[0][2])))
 
 
+def highest_met_rate(attainment_by_rate: Iterable[tuple[float, float]], target: float = ATTAINMENT_TARGET) -> float | None:
+    """DistServe goodput over (rate, attainment) runs: the highest rate before the first (ascending) rate
+    whose attainment is below `target`; None when even the lowest rate misses it."""
+    best = None
+    for rate, attainment in sorted(attainment_by_rate):
+        if attainment < target:
+            break
+        best = rate
+    return best
+
+
 def goodput(stats: list[RunStats], target: float = ATTAINMENT_TARGET) -> dict[str, float | None]:
-    """DistServe goodput per deployment over its open-loop runs: the highest rate before the first
-    (ascending) rate whose attainment is below `target`; None when even the lowest rate misses it."""
-    out: dict[str, float | None] = {}
-    for deployment in dict.fromkeys(r.deployment for r in stats if r.rate):
-        best = None
-        for r in sorted((r for r in stats if r.deployment == deployment and r.rate), key=lambda r: r.rate):
-            if r.slo_attainment < target:
-                break
-            best = r.rate
-        out[deployment] = best
-    return out
+    """`highest_met_rate` per deployment over its open-loop runs."""
+    return {deployment: highest_met_rate(((r.rate, r.slo_attainment) for r in stats if r.deployment == deployment and r.rate), target)
+            for deployment in dict.fromkeys(r.deployment for r in stats if r.rate)}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -29,7 +29,7 @@ from disagg.spec import DeploymentSpec, load_spec
 from loadtest.compare import THREAD_ENV, check_fits, run_point
 from loadtest.crossover import length_variant
 from loadtest.plan import calibrated, handoff, hosts, limits_of, profiles, replayed, traffic_of
-from loadtest.report import ATTAINMENT_TARGET, Slo, run_stats
+from loadtest.report import Slo, highest_met_rate, run_stats
 from loadtest.samples import read_samples
 from loadtest.workload import load_workload, workload_file
 
@@ -59,17 +59,6 @@ class Run:
     rate: float
     ttft_p50_ms: tuple[float, float]  # measured, predicted
     attainment: tuple[float, float]
-
-
-def goodput_of(runs: list[Run], which: int) -> float | None:
-    """The highest rate before the first (ascending) whose attainment is under the target (0: measured,
-    1: predicted); None when even the lowest misses it."""
-    best = None
-    for run in sorted(runs, key=lambda r: r.rate):
-        if run.attainment[which] < ATTAINMENT_TARGET:
-            break
-        best = run.rate
-    return best
 
 
 def verdict(measured: dict[str, float | None], predicted: dict[str, float]) -> str:
@@ -131,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             run = Run(rate, (measured.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3), (measured.slo_attainment, pred.attainment))
             runs[name].append(run)
             print(f"[{name} at {rate:g} req/s] {_cell(run)}", flush=True)
-    measured_goodput = {name: goodput_of(r, 0) for name, r in runs.items()}
+    measured_goodput = {name: highest_met_rate((r.rate, r.attainment[0]) for r in rs) for name, rs in runs.items()}
     predicted_goodput = {str(d): planner.goodput(d, traffic) for d, _, _ in deployments}
     print(f"\n{'deployment':<24} | {'goodput req/s meas | pred':>25} | per rate: attainment meas / pred, p50 TTFT ms meas / pred")
     for name, rs in runs.items():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -139,7 +139,7 @@ def fit(steps: list[Timed]) -> StepModel:
     model = StepModel(decode, fit_prompt([s for s in steps if s.prompt_tokens], decode), 0.0)
     worst = max(abs(model.step_s(s.decodes, s.decode_attended, s.prompt_tokens, s.prompt_attended) - s.seconds) / s.seconds
                 for s in steps)
-    return StepModel(model.decode, model.prompt, float(worst))
+    return replace(model, fit_error=float(worst))
 
 
 def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
