@@ -10,6 +10,7 @@ models and any files beside the repository come from the spec's backend (disagg.
 Models:
     preprocessing -> disagg_orchestrator -> postprocessing       = ensemble    (prefill + decode)
     preprocessing -> aggregated_orchestrator -> postprocessing   = aggregated  (aggregated_engine)
+    tensorrt_llm_bls (orchestrator.bls): the first of them as one model, text in and text out
 """
 from __future__ import annotations
 
@@ -22,28 +23,29 @@ from disagg.spec import ROLES, DeploymentSpec
 from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_METRICS_PORT
 
 
-def _front_models(spec: DeploymentSpec) -> list[Model]:
-    """preprocessing and postprocessing. Their limits hold for every path behind them: prompts are checked
-    against each role that reads prompts, output lengths against each role that generates."""
+def _text_parameters(spec: DeploymentSpec) -> tuple[dict, dict]:
+    """The parameters of preprocessing and of postprocessing (tensorrt_llm_bls takes both). Their limits hold
+    for every path behind them: prompts are checked against each role that reads prompts, output lengths
+    against each role that generates."""
     prompt_roles = [r for name, r in spec.roles.items() if name != "decode"]
     output_roles = [r for name, r in spec.roles.items() if name != "prefill"]
     tokenizer_dir = repo_relative(spec, spec.model.path)
+    return {
+        "tokenizer_dir": tokenizer_dir,
+        "max_input_len": min(r.max_input_len for r in prompt_roles),
+        "max_output_len": min(r.max_output_len for r in output_roles),
+        "max_seq_len": min(r.max_seq_len for r in output_roles),
+        "add_special_tokens": "true" if spec.model.add_special_tokens else "false",
+    }, {"tokenizer_dir": tokenizer_dir, "skip_special_tokens": "true"}
+
+
+def _front_models(spec: DeploymentSpec) -> list[Model]:
+    """preprocessing and postprocessing."""
+    pre, post = _text_parameters(spec)
     batch = max(r.max_batch_size for r in spec.roles.values())
     return [
-        python_model(
-            "preprocessing", "preprocessing.pbtxt.j2", "preprocessing", max_batch_size=batch,
-            parameters={
-                "tokenizer_dir": tokenizer_dir,
-                "max_input_len": min(r.max_input_len for r in prompt_roles),
-                "max_output_len": min(r.max_output_len for r in output_roles),
-                "max_seq_len": min(r.max_seq_len for r in output_roles),
-                "add_special_tokens": "true" if spec.model.add_special_tokens else "false",
-            },
-        ),
-        python_model(
-            "postprocessing", "postprocessing.pbtxt.j2", "postprocessing", max_batch_size=batch,
-            parameters={"tokenizer_dir": tokenizer_dir, "skip_special_tokens": "true"},
-        ),
+        python_model("preprocessing", "preprocessing.pbtxt.j2", "preprocessing", max_batch_size=batch, parameters=pre),
+        python_model("postprocessing", "postprocessing.pbtxt.j2", "postprocessing", max_batch_size=batch, parameters=post),
     ]
 
 
@@ -105,6 +107,12 @@ def _entry_models(spec: DeploymentSpec) -> list[Model]:
         models.append(Model(ensemble, render_template(
             "ensemble.pbtxt.j2", name=ensemble, orchestrator=orchestrator, max_batch_size=batch,
         )))
+    if o.bls:  # the first path: disaggregated where the spec has it
+        pre, post = _text_parameters(spec)
+        models.append(python_model(
+            "tensorrt_llm_bls", "bls.pbtxt.j2", "bls", max_batch_size=batch,
+            instances=o.instances, parameters={**paths[0][2], **common, **pre, **post},
+        ))
     return models
 
 

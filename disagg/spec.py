@@ -131,6 +131,7 @@ SCHEMA = {
                 "prefill_routing": {"enum": list(PREFILL_ROUTING)},
                 "pool_routing": {"enum": list(POOL_ROUTING)},
                 "coalesce_backlog": {"type": "integer", "minimum": 0},
+                "bls": {"type": "boolean"},
                 "service_classes": {
                     "type": "object",
                     "minProperties": 1,
@@ -275,6 +276,9 @@ class OrchestratorSpec:
     # makes them) before the waiting tokens go out as one response; 0: never, one token per response as
     # the tensorrtllm backend streams (clients such as perf_analyzer count responses).
     coalesce_backlog: int = 0
+    # Also render `tensorrt_llm_bls`: the ensemble's text contract served by one Python model that
+    # tokenizes, orchestrates and detokenizes in process (each token crosses one Python process, not three).
+    bls: bool = False
     # Classes of traffic, each with the TTFT and TPOT it must get (none: throughput only), and the class of
     # a request that names none; disagg.triton.sla routes each request to a pool that meets its class.
     service_classes: tuple[tuple[str, float | None, float | None], ...] = ()  # (name, ttft_ms, tpot_ms)

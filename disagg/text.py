@@ -119,6 +119,25 @@ class Detokenizer:
         return self.incremental_text((), ids, final=True)
 
 
+class IncrementalText:
+    """One sequence's text as its tokens arrive, for a model that sees every response of the sequence
+    (tensorrt_llm_bls): each `add` gives the complete characters its tokens end and holds back an
+    incomplete one (U+FFFD once `final`), decoding only the new tokens' bytes. Equal to
+    `Detokenizer.incremental_text` on any split, which re-reads a few earlier tokens because postprocessing
+    keeps no state between responses."""
+
+    def __init__(self, detokenizer: Detokenizer):
+        self.detokenizer = detokenizer
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.started = False  # a token with bytes came: the text's leading space is behind us
+
+    def add(self, ids: Sequence[int], final: bool = False) -> str:
+        data = self.detokenizer._bytes(ids)
+        if self.detokenizer.strip_leading_space and not self.started:
+            data, self.started = data.removeprefix(b" "), bool(data)
+        return self.utf8.decode(data, final)
+
+
 @dataclass(frozen=True)
 class SpecialIds:
     bos: int | None

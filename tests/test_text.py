@@ -1,4 +1,5 @@
-"""Stateless incremental detokenization: any split of a token sequence decodes to exactly `decode(ids)`."""
+"""Incremental detokenization, stateless (postprocessing) and stateful (tensorrt_llm_bls): any split of a
+token sequence decodes to exactly `decode(ids)`."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +8,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from disagg.text import Detokenizer, load_tokenizer, special_ids
+from disagg.text import Detokenizer, IncrementalText, load_tokenizer, special_ids
 
 TEXTS = [
     "café naïve façade",
@@ -28,12 +29,15 @@ def detok(tokenizer) -> Detokenizer:
 
 
 def streamed(detok: Detokenizer, ids: list[int], cuts: list[int], window: int | None = 3) -> list[str]:
-    """Texts of responses ending at each cut; each carries `window` earlier tokens (None: all)."""
+    """Texts of responses ending at each cut; each carries `window` earlier tokens (None: all). The same
+    split through IncrementalText must give the same texts."""
     out, prev = [], 0
     for k, cut in enumerate([*cuts, len(ids)]):
         start = 0 if window is None else max(0, prev - window)
         out.append(detok.incremental_text(ids[start:prev], ids[prev:cut], final=k == len(cuts)))
         prev = cut
+    text = IncrementalText(detok)
+    assert [text.add(ids[a:b], final=b == len(ids) and k == len(cuts)) for k, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(ids)]))] == out
     return out
 
 

@@ -356,3 +356,18 @@ def test_the_prefix_store_becomes_each_instances_host_offload_and_a_disk_tier_is
     assert "kv_cache_host_memory_bytes" not in _params(_configs(spec, "decode")["decode"])
     with pytest.raises(SpecError, match=r"^roles\.prefill\.kv_store_disk_mb: the tensorrtllm backend has no disk tier"):
         example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw["roles"]["prefill"].update(kv_store_mb=512, kv_store_disk_mb=4096))
+
+
+def test_the_bls_is_served_by_the_front_beside_the_ensemble(tmp_path):
+    """orchestrator.bls on a TensorRT-LLM spec: the front loads tensorrt_llm_bls, which reaches the same
+    engine models as the ensemble's orchestrator."""
+    spec = example_spec("h200x8-intra-node", model_dir(tmp_path), lambda raw: raw.setdefault("orchestrator", {}).update(bls=True))
+    script = _scripts(spec)["launch.sh"]
+    front = shlex.split(next(line for line in script.splitlines() if line.startswith("tritonserver ")).removesuffix(" &"))
+    assert [a for a in front if a.startswith("--load-model=")] == [
+        "--load-model=preprocessing", "--load-model=postprocessing", "--load-model=disagg_orchestrator",
+        "--load-model=ensemble", "--load-model=tensorrt_llm_bls",
+    ]
+    models = {m.name: _params(_parse(m.config)) for m in plan_models(spec)}
+    for key in ("mode", "context_model_name", "generation_model_name", "engine_urls"):
+        assert models["tensorrt_llm_bls"][key] == models["disagg_orchestrator"][key], key

@@ -6,6 +6,8 @@ around the engine makes it cost. Per concurrency (streams kept in flight, closed
 and per path, side by side in one run:
 
     ensemble             text in, text out: preprocessing -> orchestrator -> prefill, decode -> postprocessing
+    tensorrt_llm_bls     text in, text out, the same request and answer: one model tokenizes, orchestrates
+                         and detokenizes (orchestrator.bls)
     prefill + decode     the same engines called directly with token ids, the client doing the handoff
     aggregated           text in, text out: the aggregated ensemble, same front, one engine
     aggregated_engine    that engine called directly
@@ -45,14 +47,15 @@ from disagg.triton.credential import PARAMETER
 from tools.stream_client import build_inputs
 
 LEVELS = (1, 16, 64, 256)
-PATHS = ("ensemble", "prefill + decode", "aggregated", "aggregated_engine")
+PATHS = ("ensemble", "tensorrt_llm_bls", "prefill + decode", "aggregated", "aggregated_engine")
+TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated")
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
 
 
 def front_spec(config: Path, out: Path, max_streams: int, coalesce_backlog: int = 0):
-    """`config` (cpu-tiny) with room for `max_streams` sequences in every engine and orchestrator, and the
-    orchestrators' `coalesce_backlog`, built into <out>/."""
+    """`config` (cpu-tiny) with room for `max_streams` sequences in every engine and orchestrator, the
+    orchestrators' `coalesce_backlog` and tensorrt_llm_bls, built into <out>/."""
     from disagg.spec import load_spec
 
     raw = yaml.safe_load(config.read_text())
@@ -62,6 +65,7 @@ def front_spec(config: Path, out: Path, max_streams: int, coalesce_backlog: int 
         role["kv_cache_blocks"] = max(role["kv_cache_blocks"], 8 * max_streams)
     raw["orchestrator"]["max_in_flight"] = max(raw["orchestrator"]["max_in_flight"], 2 * max_streams)
     raw["orchestrator"]["coalesce_backlog"] = coalesce_backlog
+    raw["orchestrator"]["bls"] = True
     raw["output"] = {"build_dir": str(out), "model_repository": str(out / "model_repository")}
     out.mkdir(parents=True, exist_ok=True)
     path = out / "spec.yaml"
@@ -179,7 +183,7 @@ class Driver:
     def _send_new(self, now: float) -> None:
         self._count += 1
         request_id = str(self._count)
-        if self.path in ("ensemble", "aggregated"):
+        if self.path in TEXT_PATHS:
             self.flights[request_id] = Flight(now, "text")
             inputs = build_inputs(PROMPT, self.max_tokens, end_id=NO_END_ID)
             self.client.async_stream_infer(self.path, inputs, request_id=request_id, enable_empty_final_response=True)
@@ -296,7 +300,7 @@ def engine_ceiling(root: Path, batches: list[int]) -> dict[int, float]:
 def summary(rows: list[Level], ceiling: dict[int, float]) -> list[str]:
     by = {(r.path, r.streams): r for r in rows}
     lines = []
-    for front, direct in (("ensemble", "prefill + decode"), ("aggregated", "aggregated_engine")):
+    for front, direct in (("ensemble", "prefill + decode"), ("tensorrt_llm_bls", "prefill + decode"), ("aggregated", "aggregated_engine")):
         one_f, one_d = by.get((front, 1)), by.get((direct, 1))
         if one_f and one_d:
             lines.append(f"  {front} vs {direct}, 1 stream: TTFT +{one_f.ttft_ms - one_d.ttft_ms:.2f} ms, "
@@ -309,11 +313,12 @@ def summary(rows: list[Level], ceiling: dict[int, float]) -> list[str]:
     for r in (r for r in rows if r.streams == top):
         shares = sorted(((ms, name) for name, ms in r.cpu_ms_per_token.items() if ms >= 0.005), reverse=True)
         lines.append(f"    {r.path:<18} total {sum(ms for ms, _ in shares):.2f}: " + ", ".join(f"{name} {ms:.2f}" for ms, name in shares))
-    peak_front = max((r.tokens_per_s for r in rows if r.path == "ensemble"), default=0.0)
     peak_engine = max(ceiling.values(), default=0.0)
-    if peak_engine:
-        lines.append(f"  front ceiling (ensemble, best level) {peak_front:.0f} tokens/s = {peak_front / peak_engine:.1f}x the computing "
-                     f"decode engine's best ({peak_engine:.0f} tokens/s on bench-100mb, batch {max(ceiling, key=ceiling.get)})")
+    for front in ("ensemble", "tensorrt_llm_bls"):
+        peak_front = max((r.tokens_per_s for r in rows if r.path == front), default=0.0)
+        if peak_engine and peak_front:
+            lines.append(f"  front ceiling ({front}, best level) {peak_front:.0f} tokens/s = {peak_front / peak_engine:.2f}x the computing "
+                         f"decode engine's best ({peak_engine:.0f} tokens/s on bench-100mb, batch {max(ceiling, key=ceiling.get)})")
     return lines
 
 

@@ -17,7 +17,7 @@ from disagg.text import added_special_tokens, encode_prompt
 from disagg.triton.load_board import board_key
 from disagg.triton.preprocessing import Limits, Preprocessor, parse_bool
 
-PUBLIC_MODELS = ("ensemble", "aggregated")  # disaggregated, and the aggregated baseline
+PUBLIC_MODELS = ("ensemble", "aggregated", "tensorrt_llm_bls")  # disaggregated, the aggregated baseline, the one-model front (orchestrator.bls)
 
 
 @dataclass(frozen=True)

@@ -248,17 +248,22 @@ class ClientStream:
     def _send(self, start: int, final: bool) -> None:
         prefix = max(0, start - PREFIX_TOKENS)
         ids = self.tokens[prefix:]
+        arrays = self._outputs(ids, start - prefix, final)
         with STUB_LOCK:
-            outputs = [
-                pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, 1, -1)),
-                pb_utils.Tensor("sequence_length", np.asarray([[len(ids)]], dtype=np.int32)),
-                pb_utils.Tensor("prefix_length", np.asarray([[start - prefix]], dtype=np.int32)),
-                pb_utils.Tensor("is_final", np.asarray([[final]], dtype=np.bool_)),
-                # postprocessing asks Triton about cancellation only when a response names the flag
-                pb_utils.Tensor("stream_id", np.asarray([[self.stream_id if self.check.due() else b""]], dtype=object)),
-            ]
+            outputs = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
             self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if final else 0)
         self.sent = len(self.tokens)
+
+    def _outputs(self, ids: list[int], prefix_length: int, final: bool) -> dict[str, np.ndarray]:
+        """One response's tensors: `ids`, the first `prefix_length` of them sent before."""
+        return {
+            "output_ids": np.asarray(ids, dtype=np.int32).reshape(1, 1, -1),
+            "sequence_length": np.asarray([[len(ids)]], dtype=np.int32),
+            "prefix_length": np.asarray([[prefix_length]], dtype=np.int32),
+            "is_final": np.asarray([[final]], dtype=np.bool_),
+            # postprocessing asks Triton about cancellation only when a response names the flag
+            "stream_id": np.asarray([[self.stream_id if self.check.due() else b""]], dtype=object),
+        }
 
     def finish(self) -> None:
         """Streamed: a last response with no new tokens, which flushes a held-back partial character.
@@ -271,6 +276,8 @@ class ClientStream:
 
 
 class TritonPythonModel:
+    read_inputs = READ_INPUTS  # of a request: the rest is not copied
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
@@ -354,20 +361,27 @@ class TritonPythonModel:
     def _accept(self, requests) -> None:
         for request in requests:
             # Inputs are copied here: a request's tensors are released once execute returns.
-            arrays = {t.name(): t.as_numpy().copy() for t in request.inputs() if t.name() in READ_INPUTS}
+            arrays = {t.name(): t.as_numpy().copy() for t in request.inputs() if t.name() in self.read_inputs}
             if "service_class" not in arrays:  # else the request parameter of that name (an ensemble passes them on)
                 named = json.loads(request.parameters() or "{}").get("service_class")
                 if named is not None:
                     arrays["service_class"] = np.asarray([[str(named).encode()]], dtype=object)
             self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
 
+    def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
+        return ClientStream(sender, streaming, stream_id)
+
+    def _cancel_flag(self, request_id: str) -> cancel_board.CancelFlag | cancel_board.NoFlag:
+        """Where postprocessing tells of a client's cancellation (through an ensemble it alone hears of it)."""
+        return cancel_board.CancelFlag(self.board_key, self.instance, request_id)
+
     def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
         self._track(+1)
         request_id = uuid.uuid4().hex
-        flag = cancel_board.CancelFlag(self.board_key, self.instance, request_id)
+        flag = self._cancel_flag(request_id)
         streaming = arrays.pop("streaming", None)
         service_class = arrays.pop("service_class", None)
-        client = ClientStream(sender, bool(streaming is not None and streaming.reshape(-1)[0]), flag.stream_id)
+        client = self._client_stream(sender, bool(streaming is not None and streaming.reshape(-1)[0]), flag.stream_id)
         exclude = arrays.pop("exclude_input_in_output", None)
         if exclude is not None and not exclude.reshape(-1)[0] and not client.streaming:
             # As the tensorrtllm backend: a non-streamed answer then starts with the prompt's tokens (TB

@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from disagg.text import Detokenizer, load_tokenizer
 from disagg.triton import cancel_board, load_board
@@ -41,12 +42,18 @@ class Postprocessor:
             out.append(text.encode())
         return out
 
+    @classmethod
+    def from_parameters(cls, args: dict, tokenizer: Tokenizer | None = None) -> Postprocessor:
+        """As a model's parameters describe it (postprocessing's, or tensorrt_llm_bls's, which has its
+        tokenizer loaded already)."""
+        tokenizer = tokenizer or load_tokenizer(resolve_path(args, "tokenizer_dir"))
+        skip = model_param(args, "skip_special_tokens").lower() == "true"
+        return cls(Detokenizer.from_tokenizer(tokenizer, skip_special_tokens=skip))
+
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        tokenizer = load_tokenizer(resolve_path(args, "tokenizer_dir"))
-        skip = model_param(args, "skip_special_tokens").lower() == "true"
-        self.post = Postprocessor(Detokenizer.from_tokenizer(tokenizer, skip_special_tokens=skip))
+        self.post = Postprocessor.from_parameters(args)
         self.board_key = load_board.board_key(repository_root(args))
 
     def _respond(self, pb_utils, request):

@@ -227,59 +227,68 @@ def parse_bool(key: str, value: str) -> bool:
     raise ValueError(f"preprocessing: parameter {key}={value!r} is not a boolean (true/false)")
 
 
-def _one(inputs: dict, name: str, field: str):
-    """The single value of input `name` (shape [1, 1]: batch of one) as a Python scalar, None if not sent."""
-    tensor = inputs.get(name)
-    if tensor is None:
+# Public field (the ensemble's input) -> preprocessing's input tensor, for every field validated here.
+TENSOR_OF = {
+    "text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "end_id": "END_ID", "pad_id": "PAD_ID",
+    "min_tokens": "MIN_TOKENS", "min_length": "MIN_LENGTH", "seed": "SEED", "random_seed": "RANDOM_SEED",
+    "length_penalty": "LENGTH_PENALTY", **{field: tensor for field, (tensor, _, _) in ONLY_DEFAULT.items()},
+}
+
+
+def _one(array: np.ndarray | None, field: str):
+    """The single value of an input (shape [1, 1]: batch of one) as a Python scalar, None if not sent."""
+    if array is None:
         return None
-    values = tensor.as_numpy().reshape(-1)
+    values = array.reshape(-1)
     if values.size != 1:
         raise InputError(f"{field}: expected one value per request, got {values.size} (send one prompt per request)")
     return values[0] if values.dtype == object else values[0].item()
 
 
-def _words(inputs: dict, name: str) -> list[bytes] | None:
+def _words(array: np.ndarray | None) -> list[bytes] | None:
     """The strings of a [1, n] STRING input (stop_words, bad_words), None if not sent."""
-    tensor = inputs.get(name)
-    return None if tensor is None else [bytes(w) for w in tensor.as_numpy().reshape(-1)]
+    return None if array is None else [bytes(w) for w in array.reshape(-1)]
+
+
+def prepare_request(pre: Preprocessor, arrays: dict[str, np.ndarray], public_names: bool = False) -> Prepared:
+    """Validates and tokenizes one request given its inputs by name: preprocessing's tensor names, or the
+    public field names (`public_names`: tensorrt_llm_bls, which takes the ensemble's inputs itself)."""
+    def value(field: str, tensor: str):
+        return arrays.get(field if public_names else tensor)
+
+    scalars = {field: _one(value(field, tensor), field) for field, tensor in TENSOR_OF.items()}
+    words = {field: _words(value(field, tensor)) for field, tensor in WORD_LISTS.items()}
+    return pre.prepare(scalars.pop("text_input"), scalars.pop("max_tokens"), **scalars, **words)
 
 
 def _scalar(value: int, dtype=np.int32) -> np.ndarray:
     return np.array([[value]], dtype=dtype)  # [batch=1, 1]
 
 
+def load_preprocessor(args: dict, model: str) -> Preprocessor:
+    """The Preprocessor a model's parameters describe (preprocessing's, or tensorrt_llm_bls's); logs a note
+    when the tokenizer adds special tokens the checkpoint may not expect."""
+    limits = Limits(
+        max_input_len=int(model_param(args, "max_input_len")),
+        max_output_len=int(model_param(args, "max_output_len")),
+        max_seq_len=int(model_param(args, "max_seq_len")),
+    )
+    tokenizer_dir = resolve_path(args, "tokenizer_dir")
+    pre = Preprocessor.load(tokenizer_dir, limits, parse_bool("add_special_tokens", model_param(args, "add_special_tokens")))
+    note = special_tokens_note(pre.tokenizer, tokenizer_dir) if pre.add_special_tokens else None
+    if note:
+        import triton_python_backend_utils as pb_utils
+
+        pb_utils.Logger.log_warn(f"{model}: {note}")
+    return pre
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        limits = Limits(
-            max_input_len=int(model_param(args, "max_input_len")),
-            max_output_len=int(model_param(args, "max_output_len")),
-            max_seq_len=int(model_param(args, "max_seq_len")),
-        )
-        tokenizer_dir = resolve_path(args, "tokenizer_dir")
-        add_special_tokens = parse_bool("add_special_tokens", model_param(args, "add_special_tokens"))
-        self.pre = Preprocessor.load(tokenizer_dir, limits, add_special_tokens)
-        note = special_tokens_note(self.pre.tokenizer, tokenizer_dir) if self.pre.add_special_tokens else None
-        if note:
-            import triton_python_backend_utils as pb_utils
-
-            pb_utils.Logger.log_warn(f"preprocessing: {note}")
+        self.pre = load_preprocessor(args, "preprocessing")
 
     def _respond(self, pb_utils, request):
-        inputs = {t.name(): t for t in request.inputs()}  # pb_utils.get_input_tensor_by_name lists them per call
-        options = {field: _one(inputs, tensor, field) for field, (tensor, _, _) in ONLY_DEFAULT.items()}
-        options.update({field: _words(inputs, tensor) for field, tensor in WORD_LISTS.items()})
-        p = self.pre.prepare(
-            _one(inputs, "QUERY", "text_input"),
-            _one(inputs, "REQUEST_OUTPUT_LEN", "max_tokens"),
-            _one(inputs, "END_ID", "end_id"),
-            _one(inputs, "PAD_ID", "pad_id"),
-            min_tokens=_one(inputs, "MIN_TOKENS", "min_tokens"),
-            min_length=_one(inputs, "MIN_LENGTH", "min_length"),
-            seed=_one(inputs, "SEED", "seed"),
-            random_seed=_one(inputs, "RANDOM_SEED", "random_seed"),
-            length_penalty=_one(inputs, "LENGTH_PENALTY", "length_penalty"),
-            **options,
-        )
+        p = prepare_request(self.pre, {t.name(): t.as_numpy() for t in request.inputs()})
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("INPUT_ID", p.input_ids[None, :]),
             pb_utils.Tensor("REQUEST_INPUT_LEN", _scalar(p.input_ids.size)),

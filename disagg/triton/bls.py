@@ -1,0 +1,89 @@
+"""`tensorrt_llm_bls`: the ensemble's text contract served by one decoupled Python model.
+
+Upstream's tensorrt_llm_bls (tensorrtllm_backend all_models/inflight_batcher_llm/tensorrt_llm_bls) takes
+the ensemble's inputs and answers with `text_output`, calling preprocessing, tensorrt_llm and
+postprocessing itself. This one does the same work in process: it validates and tokenizes with
+preprocessing's own Preprocessor, orchestrates as the ensemble's orchestrator does (this class is that
+orchestrator), and detokenizes with postprocessing's detokenizer, keeping each sequence's UTF-8 state
+(disagg.text.IncrementalText) instead of decoding a few earlier tokens again per response. So a client
+gets the same text, token counts and input errors as through `ensemble`, while each token crosses one
+Python process on its way out (the ensemble: orchestrator, then postprocessing, each a Python-backend
+round trip, and the ensemble's bookkeeping between them) and a prompt none before its first hop.
+
+Called directly, the model learns of a client's cancellation from its response sender (checked every
+SENDER_CHECK_S); no cancel flag is made, since no postprocessing would raise it.
+"""
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from disagg.text import Detokenizer, IncrementalText
+from disagg.triton import cancel_board
+from disagg.triton.metrics import STUB_LOCK
+from disagg.triton.orchestrator import ClientStream
+from disagg.triton.orchestrator import TritonPythonModel as Orchestrator
+from disagg.triton.postprocessing import Postprocessor
+from disagg.triton.preprocessing import TENSOR_OF, WORD_LISTS, InputError, Prepared, load_preprocessor, prepare_request
+
+# Public inputs the orchestrator takes as they are, under its own names (the ensemble's input_map).
+PASSED_ON = {"stream": "streaming", "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
+             "exclude_input_in_output": "exclude_input_in_output", "service_class": "service_class"}
+
+
+def engine_arrays(p: Prepared) -> dict[str, np.ndarray]:
+    """What preprocessing hands the orchestrator through the ensemble, under the orchestrator's names."""
+    def scalar(value, dtype=np.int32):
+        return np.asarray([[value]], dtype=dtype)
+
+    return {
+        "input_ids": p.input_ids[None, :], "input_lengths": scalar(p.input_ids.size), "request_output_len": scalar(p.output_len),
+        "end_id": scalar(p.end_id), "pad_id": scalar(p.pad_id), "min_tokens": scalar(p.min_tokens), "seed": scalar(p.seed, np.uint64),
+    }
+
+
+class TextStream(ClientStream):
+    """Responses as `ensemble` gives them, each one's new tokens detokenized here as they come."""
+
+    def __init__(self, sender, streaming: bool, stream_id: str, detokenizer: Detokenizer):
+        super().__init__(sender, streaming, stream_id)
+        self.text = IncrementalText(detokenizer)
+
+    def _outputs(self, ids: list[int], prefix_length: int, final: bool) -> dict[str, np.ndarray]:
+        new = ids[prefix_length:]
+        return {
+            "text_output": np.asarray([[self.text.add(new, final).encode()]], dtype=object),
+            "num_output_tokens": np.asarray([[len(new)]], dtype=np.uint32),
+        }
+
+
+class TritonPythonModel(Orchestrator):
+    read_inputs = frozenset((*TENSOR_OF, *WORD_LISTS, *PASSED_ON))
+
+    def initialize(self, args):
+        super().initialize(args)
+        self.pre = load_preprocessor(args, "tensorrt_llm_bls")
+        self.detokenizer = Postprocessor.from_parameters(args, self.pre.tokenizer).detokenizer
+
+    def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
+        return TextStream(sender, streaming, stream_id, self.detokenizer)
+
+    def _cancel_flag(self, request_id: str) -> cancel_board.NoFlag:
+        return cancel_board.NoFlag()
+
+    def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
+        """Validates and tokenizes on the request's worker, then serves it as the orchestrator would."""
+        try:
+            prepared = prepare_request(self.pre, arrays, public_names=True)
+        except InputError as exc:
+            ClientStream(sender, False, "").fail(str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - the client must get an answer; the worker would swallow it
+            with STUB_LOCK:
+                pb_utils.Logger.log_error(f"tensorrt_llm_bls: {traceback.format_exc()}")
+            ClientStream(sender, False, "").fail(f"tensorrt_llm_bls: internal error: {exc}")
+            return
+        passed = {PASSED_ON[name]: array for name, array in arrays.items() if name in PASSED_ON}
+        super()._serve({**engine_arrays(prepared), **passed}, sender, arrival)

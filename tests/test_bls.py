@@ -1,0 +1,135 @@
+"""`tensorrt_llm_bls` (orchestrator.bls): the ensemble's text contract in one Python model. Its config
+declares exactly the ensemble's inputs and outputs, and on a real tritonserver it answers every request as
+`ensemble` does: the same text per response, token counts and input errors, and a cancellation stops the
+engines and frees their KV."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from disagg.openai.deployment import Deployment
+from disagg.render import plan_models, render_repository
+from disagg.repository import parse_config
+from disagg.spec import load_spec
+from tests.e2e_helpers import busy, cancelled_total, cancels_after, wait_kv_zero
+from tests.test_e2e_serving import _never_token
+from tools.stream_client import StreamError, build_inputs, stream
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("preprocessing", "postprocessing", "prefill", "decode", "disagg_orchestrator", "ensemble", "tensorrt_llm_bls")
+PROMPTS = ["It was the best of times", "Unicode: café naïve 東京 ✓", "a", "def forward(self, x):\n    return x"]
+
+
+def _with_bls(spec):
+    return dataclasses.replace(spec, orchestrator=dataclasses.replace(spec.orchestrator, bls=True))
+
+
+def test_the_bls_declares_the_ensembles_inputs_and_outputs_and_is_rendered_only_when_asked():
+    spec = load_spec(ROOT / "configs/cpu-tiny.yaml")
+    assert "tensorrt_llm_bls" not in [m.name for m in plan_models(spec)]
+    models = {m.name: parse_config(m.name, m.config) for m in plan_models(_with_bls(spec))}
+    bls, ensemble = models["tensorrt_llm_bls"], models["ensemble"]
+    assert bls.backend == "python" and bls.model_transaction_policy.decoupled
+    assert list(bls.input) == list(ensemble.input) and list(bls.output) == list(ensemble.output)
+    params = {k: v.string_value for k, v in bls.parameters.items()}
+    pre = {k: v.string_value for k, v in models["preprocessing"].parameters.items()}
+    assert params["mode"] == "disaggregated" and params["context_model_name"] == "prefill"
+    assert {k: params[k] for k in pre} == pre  # the same limits and tokenizer as preprocessing
+    assert params["skip_special_tokens"] == "true"
+
+
+@pytest.fixture(scope="module")
+def server(cpu_tiny_project, start_triton):
+    """cpu-tiny's built engines behind a repository rendered with orchestrator.bls, beside the project's own."""
+    with contextlib.chdir(cpu_tiny_project):
+        spec = dataclasses.replace(_with_bls(load_spec(Path("configs/cpu-tiny.yaml"))), model_repository=Path("bls_repository"))
+        render_repository(spec, spec.model_repository)
+    s = start_triton(cpu_tiny_project / "bls_repository", "--model-control-mode=explicit", *(f"--load-model={m}" for m in MODELS))
+    yield s
+    s.stop()
+
+
+def _responses(url: str, model: str, inputs) -> list[tuple[str, int]]:
+    """(text_output, num_output_tokens) of each response that carried output, until the final one."""
+    client = grpcclient.InferenceServerClient(url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    out = []
+    try:
+        while True:
+            result, error = got.get(timeout=60)
+            assert error is None, error.message()
+            text = result.as_numpy("text_output")
+            if text is not None:
+                out.append((text.reshape(-1)[0].decode(), int(result.as_numpy("num_output_tokens").reshape(-1)[0])))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.e2e
+def test_the_bls_answers_each_request_exactly_as_the_ensemble(server):
+    cases = [dict(stream=s) for s in (True, False)] + [
+        dict(stream=False, exclude_input_in_output=False),  # the prompt's tokens first, counted too
+        dict(stream=True, temperature=0.8, top_k=50, top_p=0.9, seed=4242),
+        dict(stream=True, min_length=12, end_id=2),  # the older name of min_tokens
+    ]
+    for prompt in PROMPTS:
+        for case in cases:
+            case = dict(case)
+            streaming = case.pop("stream")
+            expected = _responses(server.grpc_url, "ensemble", build_inputs(prompt, 24, streaming, **case))
+            got = _responses(server.grpc_url, "tensorrt_llm_bls", build_inputs(prompt, 24, streaming, **case))
+            assert got == expected, (prompt, streaming, case)
+            assert sum(n for _, n in got) >= (24 if case.get("min_length") else 1)
+    assert len(expected) > 2  # streamed: a response per token
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("prompt, max_tokens, options, message", [
+    ("", 8, {}, "text_input: empty prompt"),
+    (b"hi\xff", 8, {}, "text_input: not valid UTF-8 (byte 0xff at offset 2)"),
+    ("word " * 400, 8, {}, "text_input: prompt is 802 tokens, over the limit max_input_len=256"),
+    ("hi", 5000, {}, "max_tokens: 5000 is over the limit"),
+    ("hi", 8, {"min_tokens": 9}, "min_tokens: 9 is over max_tokens=8"),
+    ("hi", 8, {"min_tokens": 2, "min_length": 3}, "min_length: 3 differs from min_tokens=2"),
+    ("hi", 8, {"top_p": 7.0}, "runtime_top_p: 7.0 must be in [0, 1]"),
+])
+def test_the_bls_refuses_bad_inputs_as_the_ensemble_does_and_keeps_serving(server, prompt, max_tokens, options, message):
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        with pytest.raises(StreamError) as refused:
+            stream(server.grpc_url, model, prompt, max_tokens, **options)
+        assert message in str(refused.value), (model, str(refused.value))
+    assert stream(server.grpc_url, "tensorrt_llm_bls", PROMPTS[0], 8).text == stream(server.grpc_url, "ensemble", PROMPTS[0], 8).text
+    assert not any(wait_kv_zero(server).values())
+
+
+def test_the_openai_api_serves_the_bls_as_a_model(server, cpu_tiny_project):
+    assert Deployment.load(cpu_tiny_project / "bls_repository").models == ("ensemble", "aggregated", "tensorrt_llm_bls")
+
+
+@pytest.mark.e2e
+def test_a_cancelled_bls_stream_stops_the_engines_and_frees_their_kv(server, cpu_tiny_project):
+    """Called directly, the BLS hears of the cancellation from its own response sender."""
+    before = cancelled_total(server, "orchestrator-disaggregated")
+    with busy(server, "tensorrt_llm_bls"):
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        got: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        inputs = build_inputs("Call me", 300, end_id=_never_token(cpu_tiny_project))
+        client.async_stream_infer("tensorrt_llm_bls", inputs, enable_empty_final_response=True)
+        for _ in range(3):
+            result, error = got.get(timeout=30)
+            assert error is None and not result.get_response().parameters["triton_final_response"].bool_param
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        assert cancels_after(server, "orchestrator-disaggregated", before) == before + 1
+    assert not any(wait_kv_zero(server).values())
