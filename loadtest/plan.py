@@ -35,6 +35,7 @@ import numpy as np
 import yaml
 
 from disagg.cli import build
+from disagg.engine import engine as engine_module
 from disagg.engine.config import EngineConfig
 from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner import profile as profile_module
@@ -55,10 +56,11 @@ def traffic_of(workload: Workload, rate: float | None = None, prompt_tokens: int
 
 def profiles(spec: DeploymentSpec) -> dict[str, StepModel]:
     """Each role's StepModel, profiled once per built engine and way of profiling (keyed by the engine's
-    config.json's mtime and the profiler's source)."""
+    config.json's mtime and the source of the profiler and of the reference engine it times)."""
     cache_path = spec.build_dir / "planner-profile.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
-    profiler = hashlib.sha256(Path(profile_module.__file__).read_bytes()).hexdigest()[:12]
+    sources = [Path(profile_module.__file__), *sorted(Path(engine_module.__file__).parent.glob("*.py"))]
+    profiler = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
     out = {}
     for role in spec.roles:
         engine = spec.engine_dir(role)
