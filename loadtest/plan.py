@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +37,7 @@ import yaml
 from disagg.cli import build
 from disagg.engine import engine as engine_module
 from disagg.engine.config import EngineConfig
-from disagg.planner.plan import Planner, Traffic, predict
+from disagg.planner.plan import Planner, Prediction, Traffic, predict
 from disagg.planner import profile as profile_module
 from disagg.planner.profile import StepModel, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest
@@ -167,10 +167,23 @@ def print_plan(planner: Planner, instances: int, traffic: Traffic) -> None:
 
 
 def replayed(samples: list[Sample]) -> list[SimRequest]:
-    """A measured run's requests as the simulation takes them: sent when they were sent, with their prompt
-    and as many tokens as their client received."""
+    """A measured run's requests as the simulation takes them, in the order they were sent: each when it was
+    sent, with its prompt and as many tokens as its client received; one that did not finish (it held its
+    engine until the run stopped) with as many as it asked for."""
     start = min(s.t_send for s in samples)
-    return [SimRequest(s.t_send - start, s.prompt_tokens, max(1, s.n_out)) for s in sorted(samples, key=lambda s: s.t_send) if s.ok]
+    return [SimRequest(s.t_send - start, s.prompt_tokens, max(1, s.n_out if s.ok else s.max_tokens))
+            for s in sorted(samples, key=lambda s: s.t_send)]
+
+
+def predicted_run(planner: Planner, deployment: Deployment, samples: list[Sample], traffic: Traffic) -> Prediction | None:
+    """The prediction for a measured run, every request it sent replayed: latencies over the requests that
+    finished in it, as they were measured; attainment over all of them. None when none finished."""
+    ordered = sorted(samples, key=lambda s: s.t_send)
+    simulated = planner.replay(deployment, replayed(ordered))
+    finished = [r for r, s in zip(simulated, ordered) if s.ok]
+    if not finished:
+        return None
+    return replace(predict(finished, traffic), attainment=sum(traffic.met(r) for r in simulated) / len(simulated))
 
 
 def check(planner: Planner, workload: Workload, results: list[Path]) -> None:
@@ -189,7 +202,10 @@ def check(planner: Planner, workload: Workload, results: list[Path]) -> None:
             for name in ("aggregated", "disaggregated"):
                 measured = point[name]
                 deployment = Deployment(aggregated=2) if name == "aggregated" else Deployment(prefill=1, decode=1)
-                p = predict(planner.replay(deployment, replayed(read_samples([path.parent / point["samples"][name]]))), traffic)
+                p = predicted_run(planner, deployment, read_samples([path.parent / point["samples"][name]]), traffic)
+                if p is None:
+                    print(f"{point['prompt_tokens']:>6} {point['rate']:>5g} {str(deployment):<24} | no request finished in the measured run")
+                    continue
                 row = []
                 for label, pred, meas in (("p50 TTFT", p.ttft_p50_s, measured["ttft_ms"]["p50"]),
                                           ("p95 ITL", p.itl_p95_s, measured["itl_ms"]["p95"])):

@@ -23,12 +23,12 @@ from pathlib import Path
 import yaml
 
 from disagg.cli import build
-from disagg.planner.plan import Planner, predict
+from disagg.planner.plan import Planner
 from disagg.planner.simulate import Deployment
 from disagg.spec import DeploymentSpec, load_spec
 from loadtest.compare import THREAD_ENV, check_fits, run_point
 from loadtest.crossover import length_variant
-from loadtest.plan import calibrated, handoff, hosts, limits_of, profiles, replayed, traffic_of
+from loadtest.plan import calibrated, handoff, hosts, limits_of, predicted_run, profiles, traffic_of
 from loadtest.report import Slo, highest_met_rate, run_stats
 from loadtest.samples import read_samples
 from loadtest.workload import load_workload, workload_file
@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, out / name.replace(" ", "").replace("+", "-"))
             samples = read_samples([samples_path])
             measured = run_stats(samples, slo)
-            pred = predict(planner.replay(deployment, replayed(samples)), traffic)
-            run = Run(rate, (measured.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3), (measured.slo_attainment, pred.attainment))
+            pred = predicted_run(planner, deployment, samples, traffic)
+            run = Run(rate, (measured.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
+                      (measured.slo_attainment, pred.attainment if pred else 0.0))
             runs[name].append(run)
             print(f"[{name} at {rate:g} req/s] {_cell(run)}", flush=True)
     measured_goodput = {name: highest_met_rate((r.rate, r.attainment[0]) for r in rs) for name, rs in runs.items()}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner.profile import DecodeTable, Linear, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
 from loadtest.compare import compare_spec
-from loadtest.plan import calibrated, check, limits_of, replayed
+from loadtest.plan import calibrated, check, limits_of, predicted_run, replayed, traffic_of
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import WORKLOAD_DIR, load_workload
 
@@ -170,6 +171,28 @@ def test_check_replays_each_measured_run_s_own_requests(tmp_path, capsys):
     # disaggregated: prefill step, then the decode engine's import step: TTFT 1 ms, an ITL of 1 ms as measured
     assert "p50 TTFT prediction error: median 50%, worst 50% over 2 runs" in out
     assert "p95 ITL prediction error: median 0%, worst 0% over 2 runs" in out
+
+
+def test_a_request_that_did_not_finish_is_replayed_whole_and_left_out_of_the_latencies(tmp_path, capsys):
+    """It held its engine until the run stopped: replayed with every token it asked for (it delays the next
+    one), but the measured latencies have no value of it, so the predicted ones leave it out too."""
+    first = dataclasses.replace(_sample("aggregated", 100.0, 16, 1), max_tokens=40, error="unfinished: the run stopped")
+    second = _sample("aggregated", 100.001, 16, 3)
+    limits = {"aggregated": EngineLimits(1, 64, True, 16)}  # one at a time: the second waits for the first
+    planner = Planner({"aggregated": FLAT}, limits, lambda n: 0.0)
+    assert [(r.arrival, r.output) for r in replayed([second, first])] == [(0.0, 40), (pytest.approx(0.001), 3)]
+    traffic = traffic_of(load_workload("quick"), 2.0, 16)
+    p = predicted_run(planner, Deployment(aggregated=1), [second, first], traffic)
+    assert p.ttft_p50_s == pytest.approx(0.041 - 0.001)  # after the first's 40 steps of 1 ms, then its own prompt
+    assert predicted_run(planner, Deployment(aggregated=1), [first], traffic) is None
+    path = tmp_path / "aggregated.jsonl"
+    path.write_text(first.to_json() + "\n")
+    point = {"prompt_tokens": 16, "rate": 2.0, "samples": {"aggregated": path.name, "disaggregated": path.name}}
+    point |= {d: {"ttft_ms": {"p50": None}, "itl_ms": {"p95": None}, "slo_attainment": 0.0} for d in ("aggregated", "disaggregated")}
+    (tmp_path / "crossover.json").write_text(json.dumps({"points": [point]}))
+    check(Planner({"aggregated": FLAT, "prefill": FLAT, "decode": FLAT}, {**limits, "prefill": limits["aggregated"],
+          "decode": limits["aggregated"]}, lambda n: 0.0), load_workload("quick"), [tmp_path / "crossover.json"])
+    assert capsys.readouterr().out.count("no request finished in the measured run") == 2
 
 
 def test_scaling_a_step_model_scales_prompt_and_decode_steps_apart():
