@@ -20,13 +20,12 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-import yaml
 
 from disagg.cli import build
 from loadtest.compare import DEPLOYMENTS, THREAD_ENV, check_fits, compare_spec, run_point
 from loadtest.report import ATTAINMENT_TARGET, RunStats, Slo, goodput, run_stats
 from loadtest.samples import read_samples
-from loadtest.workload import Workload, load_workload, workload_file
+from loadtest.workload import Workload, load_workload, workload_file, workload_variant
 
 
 @dataclass(frozen=True)
@@ -44,17 +43,10 @@ class Point:
         return None if a is None or d is None or a == 0 else d / a
 
 
-def length_variant(base: Path, workload: Workload, prompt_tokens: int, seconds: float | None, out: Path) -> tuple[Path, Workload]:
+def length_variant(base: Path, prompt_tokens: int, seconds: float | None, out: Path) -> tuple[Path, Workload]:
     """The workload file with every prompt `prompt_tokens` long (within 10%), written under `out`."""
-    raw = yaml.safe_load(base.read_text())
-    raw["name"] = f"{workload.name}-{prompt_tokens}"
-    raw["prompt_tokens"] = [{"weight": 1.0, "min": max(1, int(prompt_tokens * 0.9)), "max": prompt_tokens}]
-    if seconds:
-        raw["duration_s"] = seconds
-    path = out / "workloads" / f"{raw['name']}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path, load_workload(path)
+    changes = {"prompt_tokens": [{"weight": 1.0, "min": max(1, int(prompt_tokens * 0.9)), "max": prompt_tokens}]}
+    return workload_variant(base, out / "workloads", str(prompt_tokens), **changes, **({"duration_s": seconds} if seconds else {}))
 
 
 def _f(v: float | None, digits: int = 0) -> str:
@@ -116,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(THREAD_ENV)
     spec, budget = compare_spec(a.config, out)
-    variants = [length_variant(base, workload, n, a.seconds, out) for n in lengths]
+    variants = [length_variant(base, n, a.seconds, out) for n in lengths]
     for _, w in variants:
         check_fits(spec, w)
     print(f"crossover: {budget}", flush=True)

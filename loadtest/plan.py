@@ -32,7 +32,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from disagg.cli import build
 from disagg.engine import engine as engine_module
@@ -44,7 +43,7 @@ from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest
 from disagg.spec import DeploymentSpec
 from loadtest.compare import THREAD_ENV, compare_spec, run_point
 from loadtest.samples import Sample, read_samples
-from loadtest.workload import Workload, load_workload, workload_file
+from loadtest.workload import Workload, load_workload, workload_file, workload_variant
 
 
 def traffic_of(workload: Workload, rate: float | None = None, prompt_tokens: int | None = None) -> Traffic:
@@ -99,13 +98,8 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     that of TPOT. It covers what the engine profile, timed in one process, leaves out: the step loop handing
     tokens to Triton, the GIL shared with the model's other threads, the cores shared with the front, and this
     machine's speed drifting between the profile and the runs."""
-    raw = yaml.safe_load(workload_path.read_text())
-    raw.update(name=f"{raw['name']}-calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120)
-    raw["arrival"] = {**raw["arrival"], "users": 1}  # closed loop, one at a time
-    path = out / "calibration.yaml"
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    workload = load_workload(path)
+    path, workload = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
+                                      arrival={"users": 1})  # closed loop, one at a time
     steps = dict(planner.steps)
     for kind, deployment, prompt_role, decode_role in (("aggregated", Deployment(aggregated=1), "aggregated", "aggregated"),
                                                        ("disaggregated", Deployment(prefill=1, decode=1), "prefill", "decode")):

@@ -31,7 +31,7 @@ from loadtest.crossover import length_variant
 from loadtest.plan import calibrated, handoff, hosts, limits_of, predicted_run, profiles, traffic_of
 from loadtest.report import Slo, highest_met_rate, run_stats
 from loadtest.samples import read_samples
-from loadtest.workload import load_workload, workload_file
+from loadtest.workload import workload_file
 
 
 def split_spec(config: Path, out: Path, instances: int, prefill: int) -> DeploymentSpec:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or Path("results") / f"splits-{datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(THREAD_ENV)
-    workload_path, workload = length_variant(base, load_workload(base), a.prompt_tokens, a.seconds, out)
+    workload_path, workload = length_variant(base, a.prompt_tokens, a.seconds, out)
     slo = Slo(workload.ttft_slo_ms, workload.tpot_slo_ms)
     specs = {prefill: split_spec(a.config, out, a.instances, prefill) for prefill in range(1, a.instances)}
     for spec in specs.values():

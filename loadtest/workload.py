@@ -116,6 +116,19 @@ def workload_file(name_or_path: str | Path) -> Path:
     return path if path.is_file() else WORKLOAD_DIR / f"{name_or_path}.yaml"
 
 
+def workload_variant(base: Path, out: Path, suffix: str, **changes) -> tuple[Path, Workload]:
+    """`base`'s workload renamed `<name>-<suffix>`, its top-level keys replaced by `changes` (a mapping is
+    updated key by key), written to <out>/<name>.yaml: a run reads its workload from a file."""
+    raw = yaml.safe_load(base.read_text())
+    raw["name"] = f"{raw['name']}-{suffix}"
+    for key, value in changes.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
+    path = out / f"{raw['name']}.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path, load_workload(path)
+
+
 def load_workload(name_or_path: str | Path) -> Workload:
     path = workload_file(name_or_path)
     raw = yaml.safe_load(path.read_text())

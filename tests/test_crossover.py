@@ -13,14 +13,14 @@ import pytest
 from loadtest.compare import check_fits, compare_spec
 from loadtest.crossover import Point, length_variant, table, verdicts
 from loadtest.report import RunStats
-from loadtest.workload import WORKLOAD_DIR, load_workload
+from loadtest.workload import WORKLOAD_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_prompt_length_variants_fit_cpu_bench_up_to_1920_tokens(tmp_path):
     base = WORKLOAD_DIR / "prefill-heavy.yaml"
-    path, workload = length_variant(base, load_workload(base), 1920, 12.0, tmp_path)
+    path, workload = length_variant(base, 1920, 12.0, tmp_path)
     assert path.parent == tmp_path / "workloads" and workload.name == "prefill-heavy-1920"
     assert [(b.min, b.max) for b in workload.prompt_tokens] == [(1728, 1920)] and workload.duration_s == 12.0
     with contextlib.chdir(ROOT):
@@ -28,7 +28,7 @@ def test_prompt_length_variants_fit_cpu_bench_up_to_1920_tokens(tmp_path):
     assert spec.roles["aggregated"].enable_chunked_context and spec.roles["aggregated"].max_num_tokens == 256
     check_fits(spec, workload)  # 1920 + 128 new tokens = max_seq_len 2048
     with pytest.raises(SystemExit, match=r"prompts up to 2000 tokens .* do not fit max_input_len=1920"):
-        check_fits(spec, length_variant(base, load_workload(base), 2000, None, tmp_path)[1])
+        check_fits(spec, length_variant(base, 2000, None, tmp_path)[1])
 
 
 def _stats(deployment: str, rate: float, itl_p95: float, ttft_p50: float, attainment: float) -> RunStats:
