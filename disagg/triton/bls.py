@@ -26,22 +26,14 @@ from disagg.triton.metrics import STUB_LOCK
 from disagg.triton.orchestrator import ClientStream
 from disagg.triton.orchestrator import TritonPythonModel as Orchestrator
 from disagg.triton.postprocessing import Postprocessor
-from disagg.triton.preprocessing import TENSOR_OF, WORD_LISTS, InputError, Prepared, load_preprocessor, prepare_request
+from disagg.triton.preprocessing import TENSOR_OF, WORD_LISTS, InputError, load_preprocessor, prepare_request
 
 # Public inputs the orchestrator takes as they are, under its own names (the ensemble's input_map).
 PASSED_ON = {"stream": "streaming", "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
              "exclude_input_in_output": "exclude_input_in_output", "service_class": "service_class"}
-
-
-def engine_arrays(p: Prepared) -> dict[str, np.ndarray]:
-    """What preprocessing hands the orchestrator through the ensemble, under the orchestrator's names."""
-    def scalar(value, dtype=np.int32):
-        return np.asarray([[value]], dtype=dtype)
-
-    return {
-        "input_ids": p.input_ids[None, :], "input_lengths": scalar(p.input_ids.size), "request_output_len": scalar(p.output_len),
-        "end_id": scalar(p.end_id), "pad_id": scalar(p.pad_id), "min_tokens": scalar(p.min_tokens), "seed": scalar(p.seed, np.uint64),
-    }
+# preprocessing's outputs under the orchestrator's input names (the ensemble's input_map).
+ORCHESTRATOR_NAME = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
+                     "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "OUT_MIN_TOKENS": "min_tokens", "OUT_SEED": "seed"}
 
 
 class TextStream(ClientStream):
@@ -86,4 +78,5 @@ class TritonPythonModel(Orchestrator):
             ClientStream(sender, False, "").fail(f"tensorrt_llm_bls: internal error: {exc}")
             return
         passed = {PASSED_ON[name]: array for name, array in arrays.items() if name in PASSED_ON}
-        super()._serve({**engine_arrays(prepared), **passed}, sender, arrival)
+        prepared_arrays = {ORCHESTRATOR_NAME[name]: array for name, array in prepared.outputs().items()}
+        super()._serve({**prepared_arrays, **passed}, sender, arrival)

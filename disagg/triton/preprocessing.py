@@ -55,6 +55,18 @@ class Prepared:
     min_tokens: int = 0  # end_id cannot end the request before this many new tokens (0: no minimum)
     seed: int = 0  # TensorRT-LLM's default seed (layers/defaultDecodingParams.h getSeed)
 
+    def outputs(self) -> dict[str, np.ndarray]:
+        """preprocessing's output tensors, [batch=1, ...]."""
+        return {
+            "INPUT_ID": self.input_ids[None, :],
+            "REQUEST_INPUT_LEN": _scalar(self.input_ids.size),
+            "REQUEST_OUTPUT_LEN": _scalar(self.output_len),
+            "OUT_END_ID": _scalar(self.end_id),
+            "OUT_PAD_ID": _scalar(self.pad_id),
+            "OUT_MIN_TOKENS": _scalar(self.min_tokens),
+            "OUT_SEED": _scalar(self.seed, np.uint64),
+        }
+
 
 # Upstream ensemble inputs accepted only at the value that asks for nothing: field -> (tensor, that value, why).
 ONLY_DEFAULT = {
@@ -289,15 +301,7 @@ class TritonPythonModel:
 
     def _respond(self, pb_utils, request):
         p = prepare_request(self.pre, {t.name(): t.as_numpy() for t in request.inputs()})
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("INPUT_ID", p.input_ids[None, :]),
-            pb_utils.Tensor("REQUEST_INPUT_LEN", _scalar(p.input_ids.size)),
-            pb_utils.Tensor("REQUEST_OUTPUT_LEN", _scalar(p.output_len)),
-            pb_utils.Tensor("OUT_END_ID", _scalar(p.end_id)),
-            pb_utils.Tensor("OUT_PAD_ID", _scalar(p.pad_id)),
-            pb_utils.Tensor("OUT_MIN_TOKENS", _scalar(p.min_tokens)),
-            pb_utils.Tensor("OUT_SEED", _scalar(p.seed, np.uint64)),
-        ])
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, array) for name, array in p.outputs().items()])
 
     def execute(self, requests: list) -> list:
         import triton_python_backend_utils as pb_utils  # exists only inside the Python backend stub
