@@ -5,9 +5,18 @@ import contextlib
 import threading
 import time
 
+import numpy as np
+from safetensors.numpy import load_file
+
 from disagg.engine.sampling import NO_END_ID
 from disagg.serve.metrics import by_role, scrape
 from tools.stream_client import stream
+
+
+def never_token(project) -> int:
+    """A token whose LM-head row is silenced in the generated model: as end_id, the stream runs its length."""
+    head = load_file(str(project / "build/checkpoints/tiny-llama/model.safetensors"))["lm_head.weight"]
+    return int(np.flatnonzero(~head.any(axis=1))[0])
 
 
 def wait_kv_zero(server, timeout_s: float = 5.0) -> dict[str, float]:

@@ -16,8 +16,7 @@ from disagg.openai.deployment import Deployment
 from disagg.render import plan_models, render_repository
 from disagg.repository import parse_config
 from disagg.spec import load_spec
-from tests.e2e_helpers import busy, cancelled_total, cancels_after, wait_kv_zero
-from tests.test_e2e_serving import _never_token
+from tests.e2e_helpers import busy, cancelled_total, cancels_after, never_token, wait_kv_zero
 from tools.stream_client import StreamError, build_inputs, stream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +123,7 @@ def test_a_cancelled_bls_stream_stops_the_engines_and_frees_their_kv(server, cpu
         client = grpcclient.InferenceServerClient(server.grpc_url)
         got: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: got.put((result, error)))
-        inputs = build_inputs("Call me", 300, end_id=_never_token(cpu_tiny_project))
+        inputs = build_inputs("Call me", 300, end_id=never_token(cpu_tiny_project))
         client.async_stream_infer("tensorrt_llm_bls", inputs, enable_empty_final_response=True)
         for _ in range(3):
             result, error = got.get(timeout=30)

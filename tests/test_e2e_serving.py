@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
-from safetensors.numpy import load_file
 
 from disagg.cli import main
 from disagg.serve.metrics import by_role, scrape
 from disagg.text import load_tokenizer
 from disagg.triton import credential
 from disagg.triton.load_board import board_dir, board_key
-from tests.e2e_helpers import busy, cancelled_total, cancels_after, wait_kv_zero
+from tests.e2e_helpers import busy, cancelled_total, cancels_after, never_token, wait_kv_zero
 from tools.stream_client import StreamError, build_inputs, stream
 
 pytestmark = pytest.mark.e2e
@@ -131,7 +130,7 @@ def test_streamed_tokens_arrive_as_they_are_made_not_in_one_burst(server, cpu_ti
     process holds a core, as a benchmark client does. Before the one-thread BLAS fix this found 2, and 6 or
     more, answers of 40 that arrived all at once; after it none in 5 runs on an idle machine, and 1 or 2 when
     other work loaded the machine too, so it is a measurement, not a default test."""
-    never = _never_token(cpu_tiny_project)
+    never = never_token(cpu_tiny_project)
     busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
     try:
         bursts = []
@@ -307,12 +306,6 @@ def test_forged_and_stale_context_phase_params_sent_to_decode(server):
     assert stream(server.grpc_url, "ensemble", PROMPTS[0], 4).text
 
 
-def _never_token(project) -> int:
-    """A token whose LM-head row is silenced in the generated model: as end_id, the stream runs its length."""
-    head = load_file(str(project / "build/checkpoints/tiny-llama/model.safetensors"))["lm_head.weight"]
-    return int(np.flatnonzero(~head.any(axis=1))[0])
-
-
 def _engine_tensor(name: str, value, dtype: str, np_type) -> grpcclient.InferInput:
     array = np.array(value, dtype=np_type)
     t = grpcclient.InferInput(name, list(array.shape), dtype)
@@ -331,7 +324,7 @@ def test_cancelled_stream_stops_decode_and_frees_its_kv(server, cpu_tiny_project
         _engine_tensor("input_ids", [[0, 41, 273, 77]], "INT32", np.int32),
         _engine_tensor("input_lengths", [[4]], "INT32", np.int32),
         _engine_tensor("request_output_len", [[300]], "INT32", np.int32),
-        _engine_tensor("end_id", [[_never_token(cpu_tiny_project)]], "INT32", np.int32),
+        _engine_tensor("end_id", [[never_token(cpu_tiny_project)]], "INT32", np.int32),
         _engine_tensor("streaming", [[True]], "BOOL", bool),
     ]
     with busy(server, "ensemble"):
@@ -356,7 +349,7 @@ def test_stream_cancelled_through_the_ensemble_stops_the_engines(server, cpu_tin
         client = grpcclient.InferenceServerClient(server.grpc_url)
         got: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: got.put((result, error)))
-        client.async_stream_infer(model, build_inputs("Call me", 300, end_id=_never_token(cpu_tiny_project)), enable_empty_final_response=True)
+        client.async_stream_infer(model, build_inputs("Call me", 300, end_id=never_token(cpu_tiny_project)), enable_empty_final_response=True)
         for _ in range(3):
             assert got.get(timeout=30)[1] is None
         client.stop_stream(cancel_requests=True)
@@ -371,7 +364,7 @@ def test_a_storm_of_cancellations_leaves_the_server_up_and_the_kv_free(server, c
     """16 streams at a time, each cancelled after 1-4 tokens, 8 times over: every cancellation races the
     orchestrator's `stop` with the engine's own check. (Asking a sender whether it was cancelled after a
     `stop` had closed it crashed the server, Signal 11, within 8 such rounds.)"""
-    never = _never_token(cpu_tiny_project)
+    never = never_token(cpu_tiny_project)
 
     def one(i: int, errors: list) -> None:
         client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -411,7 +404,7 @@ def test_http_stream_closed_by_the_client_is_cancelled(server, cpu_tiny_project)
     with busy(server, "ensemble"):
         host, port = server.http_url.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        body = {"text_input": "Call me", "max_tokens": 300, "end_id": _never_token(cpu_tiny_project), "stream": True}
+        body = {"text_input": "Call me", "max_tokens": 300, "end_id": never_token(cpu_tiny_project), "stream": True}
         conn.request("POST", "/v2/models/ensemble/generate_stream", json.dumps(body))
         response = conn.getresponse()
         events = 0
