@@ -31,6 +31,8 @@ def test_a_pools_speed_is_fitted_against_its_load_once_it_has_enough_hops():
     assert linear.predict(9) == pytest.approx(0.10)
     # Never faster when busier: a flat line at the mean, the hops 10 ms either side of it.
     assert _speed((1, 0.05), (2, 0.04), (3, 0.03)).predict(10) == pytest.approx(0.04 + sla.Z * 0.01)
+    # seen only busy, and steep: below the loads seen the line is not followed down to zero
+    assert _speed((4, 0.02), (5, 0.06), (6, 0.10)).predict(1) == pytest.approx(0.02)
 
 
 def _options() -> tuple[list[Option], dict[str, Speed]]:

@@ -7,7 +7,9 @@ its prefill hops against the requests in flight when each was sent, the time per
 decode hops over their first PROBE_TOKENS tokens (a pool is known within a few of its steps, not after
 its longest answers) against the mean of the requests in flight when each was sent and when it was
 measured (a decode hop's steps are shared with whatever joins it meanwhile), each fitted as `seconds = a + b * requests in
-flight` over the pool's recent hops (a constant until two loads were seen). What is predicted is not the
+flight` over the pool's recent hops (a constant until two loads were seen; below the fewest requests seen,
+its value there: a pool seen only busy is not promised to be faster idle, where a steep line would reach
+zero). What is predicted is not the
 line but a bound that 19 hops in 20 stay within: the line plus Z standard deviations of the hops seen
 around it, since a pool run at a target's mean misses half the time. A pool with fewer than MIN_SAMPLES
 hops has no prediction: it has to be tried to be known, so a class with targets counts it as meeting them
@@ -68,6 +70,7 @@ class Speed:
             seen = list(self._seen)
         if len(seen) < MIN_SAMPLES:
             return None
+        in_flight = max(in_flight, min(x for x, _ in seen))  # below the loads seen, the line where they start
         n = sum(x for x, _ in seen) / len(seen)
         t = sum(y for _, y in seen) / len(seen)
         var = sum((x - n) ** 2 for x, _ in seen)
