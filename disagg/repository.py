@@ -16,6 +16,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from disagg.spec import DeploymentSpec
+from disagg.triton.text_contract import TEMPLATE_NAMES
 
 TEMPLATE_DIRS = [Path(__file__).resolve().parent.parent / "templates" / kind for kind in ("python", "tensorrtllm", "k8s")]
 # Role name -> engine model name; "aggregated" is taken by the baseline's public ensemble.
@@ -64,6 +65,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["pbstr"] = _pbstr
     env.filters["shquote"] = shlex.quote
+    env.globals.update(TEMPLATE_NAMES)
     return env
 
 

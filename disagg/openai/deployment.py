@@ -15,7 +15,7 @@ from disagg.repository import parse_config
 from disagg.serve.health import EngineModel, engine_models
 from disagg.text import added_special_tokens, encode_prompt
 from disagg.triton.load_board import board_key
-from disagg.triton.preprocessing import Limits, Preprocessor, parse_bool
+from disagg.triton.preprocessing import Preprocessor
 
 PUBLIC_MODELS = ("ensemble", "aggregated", "tensorrt_llm_bls")  # disaggregated, the aggregated baseline, the one-model front (orchestrator.bls)
 
@@ -37,9 +37,8 @@ class Deployment:
             raise FileNotFoundError(f"{repo}: none of the models {', '.join(PUBLIC_MODELS)} is in this repository")
         config = parse_config("preprocessing", (repo / "preprocessing" / "config.pbtxt").read_text())
         param = {key: value.string_value for key, value in config.parameters.items()}
-        limits = Limits(int(param["max_input_len"]), int(param["max_output_len"]), int(param["max_seq_len"]))
         tokenizer_dir = (repo / param["tokenizer_dir"]).resolve()
-        pre = Preprocessor.load(tokenizer_dir, limits, parse_bool("add_special_tokens", param["add_special_tokens"]))
+        pre = Preprocessor.from_parameters(param.__getitem__, tokenizer_dir)
         return cls(models, pre, ChatTemplate.load(tokenizer_dir), board_key(repo), tuple(engine_models(repo)), _service_classes(repo))
 
     def prompt_tokens(self, text: str) -> int:

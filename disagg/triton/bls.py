@@ -21,19 +21,15 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg.text import Detokenizer, IncrementalText
-from disagg.triton import cancel_board
+from disagg.triton import cancel_board, text_contract
 from disagg.triton.metrics import STUB_LOCK
 from disagg.triton.orchestrator import ClientStream
 from disagg.triton.orchestrator import TritonPythonModel as Orchestrator
 from disagg.triton.postprocessing import Postprocessor
 from disagg.triton.preprocessing import TENSOR_OF, WORD_LISTS, InputError, load_preprocessor, prepare_request
 
-# Public inputs the orchestrator takes as they are, under its own names (the ensemble's input_map).
-PASSED_ON = {"stream": "streaming", "temperature": "temperature", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
-             "exclude_input_in_output": "exclude_input_in_output", "service_class": "service_class"}
-# preprocessing's outputs under the orchestrator's input names (the ensemble's input_map).
-ORCHESTRATOR_NAME = {"INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
-                     "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "OUT_MIN_TOKENS": "min_tokens", "OUT_SEED": "seed"}
+PASSED_ON = {i.public: i.to for i in text_contract.PASSED_ON}  # public input -> orchestrator input
+ORCHESTRATOR_NAME = {h.output: h.to for h in text_contract.PREPROCESSED}  # preprocessing output -> orchestrator input
 
 
 class TextStream(ClientStream):

@@ -26,6 +26,7 @@ import math
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -33,6 +34,7 @@ from tokenizers import Tokenizer
 from disagg.engine.sampling import NO_END_ID
 from disagg.text import encode_prompt, load_tokenizer, special_ids, special_tokens_note
 from disagg.triton.paths import model_param, resolve_path
+from disagg.triton.text_contract import CHECKED
 
 
 class InputError(ValueError):
@@ -68,20 +70,20 @@ class Prepared:
         }
 
 
-# Upstream ensemble inputs accepted only at the value that asks for nothing: field -> (tensor, that value, why).
+# Upstream ensemble inputs accepted only at the value that asks for nothing: field -> (that value, why).
 ONLY_DEFAULT = {
-    "repetition_penalty": ("REPETITION_PENALTY", 1.0, "no penalty; the reference engine applies none"),
-    "presence_penalty": ("PRESENCE_PENALTY", 0.0, "no penalty; the reference engine applies none"),
-    "frequency_penalty": ("FREQUENCY_PENALTY", 0.0, "no penalty; the reference engine applies none"),
-    "beam_width": ("BEAM_WIDTH", 1, "disaggregated serving decodes with beam width 1"),
-    "num_return_sequences": ("NUM_RETURN_SEQUENCES", 1, "one sequence per request"),
-    "return_log_probs": ("RETURN_LOG_PROBS", False, "the ensemble has no cum_log_probs/output_log_probs outputs"),
-    "return_context_logits": ("RETURN_CONTEXT_LOGITS", False, "the ensemble has no context_logits output"),
-    "return_generation_logits": ("RETURN_GENERATION_LOGITS", False, "the ensemble has no generation_logits output"),
-    "return_perf_metrics": ("RETURN_PERF_METRICS", False, "the ensemble has no kv_cache_*/*_time_ns outputs"),
-    "return_kv_cache_reuse_stats": ("RETURN_KV_CACHE_REUSE_STATS", False, "the ensemble has no kv_cache_* outputs"),
+    "repetition_penalty": (1.0, "no penalty; the reference engine applies none"),
+    "presence_penalty": (0.0, "no penalty; the reference engine applies none"),
+    "frequency_penalty": (0.0, "no penalty; the reference engine applies none"),
+    "beam_width": (1, "disaggregated serving decodes with beam width 1"),
+    "num_return_sequences": (1, "one sequence per request"),
+    "return_log_probs": (False, "the ensemble has no cum_log_probs/output_log_probs outputs"),
+    "return_context_logits": (False, "the ensemble has no context_logits output"),
+    "return_generation_logits": (False, "the ensemble has no generation_logits output"),
+    "return_perf_metrics": (False, "the ensemble has no kv_cache_*/*_time_ns outputs"),
+    "return_kv_cache_reuse_stats": (False, "the ensemble has no kv_cache_* outputs"),
 }
-WORD_LISTS = {"stop_words": "STOP_WORDS_DICT", "bad_words": "BAD_WORDS_DICT"}
+WORD_LISTS = {i.public: i.to for i in CHECKED if i.words}
 # The older names upstream's ensemble had up to tensorrtllm_backend v0.19.0 (renamed in commit c2e65b8).
 OLDER_NAMES = {"min_tokens": "min_length", "seed": "random_seed"}
 
@@ -163,7 +165,7 @@ def check_length_penalty(value: float) -> None:
 
 def refuse_unsupported(options: dict) -> None:
     """`options`: public field -> value sent (None: not sent), for the fields of ONLY_DEFAULT and WORD_LISTS."""
-    for field, (_, default, why) in ONLY_DEFAULT.items():
+    for field, (default, why) in ONLY_DEFAULT.items():
         value = options.get(field)
         if value is not None and value != default:
             raise InputError(f"{field}: {_show(value)} is not supported by this deployment (only {_show(default)}: {why})")
@@ -190,6 +192,12 @@ class Preprocessor:
         if ids.eos is None:
             raise ValueError(f"{tokenizer_dir}: no EOS token in tokenizer_config.json or config.json")
         return cls(tokenizer, limits, add_special_tokens, ids.eos, ids.eos if ids.pad is None else ids.pad)
+
+    @classmethod
+    def from_parameters(cls, param: Callable[[str], str], tokenizer_dir: Path) -> Preprocessor:
+        """The Preprocessor of a preprocessing-like model, from its config's parameters (`param(key)`: the value)."""
+        limits = Limits(int(param("max_input_len")), int(param("max_output_len")), int(param("max_seq_len")))
+        return cls.load(tokenizer_dir, limits, parse_bool("add_special_tokens", param("add_special_tokens")))
 
     def prepare(
         self, query: bytes, max_tokens: int, end_id: int | None = None, pad_id: int | None = None, *,
@@ -239,12 +247,8 @@ def parse_bool(key: str, value: str) -> bool:
     raise ValueError(f"preprocessing: parameter {key}={value!r} is not a boolean (true/false)")
 
 
-# Public field (the ensemble's input) -> preprocessing's input tensor, for every field validated here.
-TENSOR_OF = {
-    "text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "end_id": "END_ID", "pad_id": "PAD_ID",
-    "min_tokens": "MIN_TOKENS", "min_length": "MIN_LENGTH", "seed": "SEED", "random_seed": "RANDOM_SEED",
-    "length_penalty": "LENGTH_PENALTY", **{field: tensor for field, (tensor, _, _) in ONLY_DEFAULT.items()},
-}
+# Public field (the ensemble's input) -> preprocessing's input tensor, for every one-value field validated here.
+TENSOR_OF = {i.public: i.to for i in CHECKED if not i.words}
 
 
 def _one(array: np.ndarray | None, field: str):
@@ -280,13 +284,8 @@ def _scalar(value: int, dtype=np.int32) -> np.ndarray:
 def load_preprocessor(args: dict, model: str) -> Preprocessor:
     """The Preprocessor a model's parameters describe (preprocessing's, or tensorrt_llm_bls's); logs a note
     when the tokenizer adds special tokens the checkpoint may not expect."""
-    limits = Limits(
-        max_input_len=int(model_param(args, "max_input_len")),
-        max_output_len=int(model_param(args, "max_output_len")),
-        max_seq_len=int(model_param(args, "max_seq_len")),
-    )
     tokenizer_dir = resolve_path(args, "tokenizer_dir")
-    pre = Preprocessor.load(tokenizer_dir, limits, parse_bool("add_special_tokens", model_param(args, "add_special_tokens")))
+    pre = Preprocessor.from_parameters(lambda key: model_param(args, key), tokenizer_dir)
     note = special_tokens_note(pre.tokenizer, tokenizer_dir) if pre.add_special_tokens else None
     if note:
         import triton_python_backend_utils as pb_utils
