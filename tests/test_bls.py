@@ -1,5 +1,5 @@
 """`tensorrt_llm_bls` (orchestrator.bls): the ensemble's text contract in one Python model. Its config
-declares exactly the ensemble's inputs and outputs, and on a real tritonserver it answers every request as
+declares the ensemble's inputs and outputs and those only upstream's tensorrt_llm_bls has, and on a real tritonserver it answers every request as
 `ensemble` does: the same text per response, token counts and input errors, and a cancellation stops the
 engines and frees their KV."""
 from __future__ import annotations
@@ -9,8 +9,10 @@ import dataclasses
 import queue
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import model_config_pb2
 
 from disagg.openai.deployment import Deployment
 from disagg.render import plan_models, render_repository
@@ -21,6 +23,12 @@ from tools.stream_client import StreamError, build_inputs, stream
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("preprocessing", "postprocessing", "prefill", "decode", "disagg_orchestrator", "ensemble", "tensorrt_llm_bls")
+# What upstream's tensorrt_llm_bls (all_models/inflight_batcher_llm/tensorrt_llm_bls/config.pbtxt, v0.17.0 to
+# c2e65b8) declares beyond the ensemble's inputs.
+UPSTREAM_BLS_ONLY_INPUTS = {
+    "image_input": "FP16", "image_bytes_input": "UINT8", "image_url_input": "STRING", "video_bytes_input": "UINT8",
+    "num_draft_tokens": "INT32", "use_draft_logits": "BOOL",
+}
 PROMPTS = ["It was the best of times", "Unicode: café naïve 東京 ✓", "a", "def forward(self, x):\n    return x"]
 
 
@@ -34,7 +42,10 @@ def test_the_bls_declares_the_ensembles_inputs_and_outputs_and_is_rendered_only_
     models = {m.name: parse_config(m.name, m.config) for m in plan_models(_with_bls(spec))}
     bls, ensemble = models["tensorrt_llm_bls"], models["ensemble"]
     assert bls.backend == "python" and bls.model_transaction_policy.decoupled
-    assert list(bls.input) == list(ensemble.input) and list(bls.output) == list(ensemble.output)
+    bls_only = [t for t in bls.input if t.name not in {e.name for e in ensemble.input}]
+    assert [t for t in bls.input if t not in bls_only] == list(ensemble.input) and list(bls.output) == list(ensemble.output)
+    assert {t.name: model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_") for t in bls_only} == UPSTREAM_BLS_ONLY_INPUTS
+    assert all(t.optional for t in bls_only)
     params = {k: v.string_value for k, v in bls.parameters.items()}
     pre = {k: v.string_value for k, v in models["preprocessing"].parameters.items()}
     assert params["mode"] == "disaggregated" and params["context_model_name"] == "prefill"
@@ -108,6 +119,45 @@ def test_the_bls_refuses_bad_inputs_as_the_ensemble_does_and_keeps_serving(serve
             stream(server.grpc_url, model, prompt, max_tokens, **options)
         assert message in str(refused.value), (model, str(refused.value))
     assert stream(server.grpc_url, "tensorrt_llm_bls", PROMPTS[0], 8).text == stream(server.grpc_url, "ensemble", PROMPTS[0], 8).text
+    assert not any(wait_kv_zero(server).values())
+
+
+def _refusal(url: str, model: str, inputs) -> str:
+    """The error a request was answered with (AssertionError if it was answered without one)."""
+    client = grpcclient.InferenceServerClient(url)
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put(error))
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    try:
+        while (error := got.get(timeout=60)) is None:
+            pass
+        return error.message()
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def _tensor(name: str, array: np.ndarray, triton_type: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+@pytest.mark.e2e
+def test_upstreams_inputs_for_what_the_engines_cannot_do_are_refused_by_name_and_accepted_empty(server):
+    lora = _tensor("lora_task_id", np.array([[5]], dtype=np.uint64), "UINT64")
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        assert _refusal(server.grpc_url, model, [*build_inputs("hi", 8), lora]).endswith(  # the ensemble's begins "in ensemble ..."
+            "lora_task_id: not supported by this deployment (LoRA needs engines built with the LoRA plugin and a LoRA cache, "
+            "and these are not; only an empty or zero value is accepted)")
+    draft = _tensor("num_draft_tokens", np.array([[3]], dtype=np.int32), "INT32")  # upstream's BLS alone declares it
+    assert "num_draft_tokens: not supported by this deployment (speculative decoding needs a draft model" in _refusal(
+        server.grpc_url, "tensorrt_llm_bls", [*build_inputs("hi", 8), draft])
+    nothing = [_tensor("embedding_bias_words", np.array([[b""]], dtype=object), "BYTES"),
+               _tensor("embedding_bias_weights", np.zeros((1, 0), dtype=np.float32), "FP32")]
+    plain = _responses(server.grpc_url, "ensemble", build_inputs(PROMPTS[0], 8))
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        assert _responses(server.grpc_url, model, [*build_inputs(PROMPTS[0], 8), *nothing]) == plain
     assert not any(wait_kv_zero(server).values())
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from disagg.triton.paths import model_param, resolve_path
 from disagg.triton.postprocessing import Postprocessor
-from disagg.triton.preprocessing import InputError, Limits, Preprocessor
+from disagg.triton.preprocessing import NOT_BUILT_TENSOR, REFUSED, InputError, Limits, Preprocessor, prepare_request
 from disagg.text import Detokenizer, load_tokenizer
 
 LIMITS = Limits(max_input_len=256, max_output_len=319, max_seq_len=320)
@@ -93,6 +93,25 @@ def test_upstream_ensemble_inputs_that_ask_for_nothing_or_for_min_tokens_are_acc
     assert accepted.input_ids.tolist() == default.input_ids.tolist() and accepted.min_tokens == 0
     with pytest.raises(TypeError, match="unknown option"):
         pre.prepare(b"hello", 8, ignore_eos=True)
+
+
+def test_inputs_for_what_the_engines_are_not_built_to_do_are_refused_by_name_unless_they_ask_for_nothing(pre):
+    assert set(REFUSED) == set(NOT_BUILT_TENSOR)  # each declared one has its reason
+    base = {"QUERY": np.array([[b"hello"]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[8]], dtype=np.int32)}
+    with pytest.raises(InputError) as err:
+        prepare_request(pre, {**base, "GUIDED_DECODING_GUIDE_TYPE": np.array([[b"json"]], dtype=object)})
+    assert str(err.value) == ("guided_decoding_guide_type: not supported by this deployment (guided decoding needs the executor's "
+                              "guided-decoding backend, which this deployment does not configure; only an empty or zero value is accepted)")
+    with pytest.raises(InputError, match=r"^prompt_embedding_table: not supported .*prompt embedding table"):
+        prepare_request(pre, {**base, "PROMPT_EMBEDDING_TABLE": np.ones((1, 2, 4), dtype=np.float16)})
+    public = {"text_input": base["QUERY"], "max_tokens": base["REQUEST_OUTPUT_LEN"]}  # tensorrt_llm_bls reads public names
+    with pytest.raises(InputError, match=r"^image_input: not supported .*vision encoder"):
+        prepare_request(pre, {**public, "image_input": np.ones((1, 1, 3, 2, 2), dtype=np.float16)}, public_names=True)
+    nothing = {"EMBEDDING_BIAS_WORDS": np.array([[b""]], dtype=object), "EMBEDDING_BIAS_WEIGHTS": np.zeros((1, 0), np.float32),
+               "PROMPT_EMBEDDING_TABLE": np.zeros((1, 2, 4), np.float16), "DECODER_QUERY": np.array([[b""]], dtype=object),
+               "LORA_TASK_ID": np.array([[0]], dtype=np.uint64)}
+    accepted = prepare_request(pre, {**base, **nothing})
+    assert accepted.input_ids.tolist() == prepare_request(pre, base).input_ids.tolist() and accepted.output_len == 8
 
 
 def test_postprocessing_emits_only_new_text_and_whole_sequences_decode_fully(tiny_checkpoint):

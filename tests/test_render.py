@@ -113,9 +113,8 @@ def test_orchestrators_and_front_parameters(repo):
     }
 
 
-# The text-LLM inputs of upstream's ensemble (tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/
-# config.pbtxt) with their types, read at v0.17.0 and v0.19.0 (old names) and at commit c2e65b8 (new names);
-# left out: decoder_text_input (encoder-decoder), prompt_*, embedding_bias_*, lora_*, guided_decoding_*.
+# The inputs of upstream's ensemble (tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/config.pbtxt)
+# with their types, read at v0.17.0 and v0.19.0 (old names) and at commit c2e65b8 (new names).
 UPSTREAM_ENSEMBLE_INPUTS = {
     "text_input": "STRING", "max_tokens": "INT32", "num_return_sequences": "INT32", "bad_words": "STRING",
     "stop_words": "STRING", "exclude_input_in_output": "BOOL", "end_id": "INT32", "pad_id": "INT32", "top_k": "INT32",
@@ -124,6 +123,11 @@ UPSTREAM_ENSEMBLE_INPUTS = {
     "return_generation_logits": "BOOL", "beam_width": "INT32", "stream": "BOOL",
     "min_length": "INT32", "random_seed": "UINT64", "return_kv_cache_reuse_stats": "BOOL",  # v0.17.0 (v0.19.0: return_perf_metrics)
     "min_tokens": "INT32", "seed": "UINT64", "return_perf_metrics": "BOOL",  # c2e65b8 on
+    # for what these engines are not built to do: declared, refused unless empty (preprocessing, REFUSED)
+    "decoder_text_input": "STRING", "prompt_embedding_table": "FP16", "prompt_table_extra_id": "UINT64",
+    "prompt_vocab_size": "INT32", "embedding_bias_words": "STRING", "embedding_bias_weights": "FP32",
+    "lora_task_id": "UINT64", "lora_weights": "FP16", "lora_config": "INT32",
+    "guided_decoding_guide_type": "STRING", "guided_decoding_guide": "STRING",  # v0.19.0 on
 }  # fmt: skip
 
 
@@ -135,8 +139,9 @@ def test_ensembles_declare_upstreams_inputs_and_each_reaches_a_model(repo):
         declared = {t.name: model_config_pb2.DataType.Name(t.data_type).removeprefix("TYPE_") for t in cfg.input}
         assert declared == {**UPSTREAM_ENSEMBLE_INPUTS, "service_class": "STRING"}  # ours: disagg.triton.sla
         assert {t.name for t in cfg.input if not t.optional} == {"text_input", "max_tokens"}
-        assert {n: list(t.dims) for n, t in ((t.name, t) for t in cfg.input) if n in ("stop_words", "bad_words")} == {
-            "stop_words": [-1], "bad_words": [-1]}
+        assert {t.name: list(t.dims) for t in cfg.input if list(t.dims) != [1]} == {
+            "stop_words": [-1], "bad_words": [-1], "prompt_embedding_table": [-1, -1], "embedding_bias_words": [-1],
+            "embedding_bias_weights": [-1], "lora_weights": [-1, -1], "lora_config": [-1, 3]}
         mapped = {value for step in cfg.ensemble_scheduling.step for value in step.input_map.values()}
         assert set(declared) <= mapped
         for step in cfg.ensemble_scheduling.step:  # each goes to an input of that type the step's model declares
@@ -150,6 +155,9 @@ def test_ensembles_wire_preprocessing_orchestrator_postprocessing(repo):
     checked = ("num_return_sequences", "length_penalty", "repetition_penalty", "min_tokens", "min_length", "presence_penalty",
                "frequency_penalty", "seed", "random_seed", "return_log_probs", "return_context_logits", "return_generation_logits",
                "return_perf_metrics", "return_kv_cache_reuse_stats", "beam_width")
+    not_built = ("prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id", "embedding_bias_words",
+                 "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config", "guided_decoding_guide_type",
+                 "guided_decoding_guide")
     for ensemble, orchestrator in (("ensemble", "disagg_orchestrator"), ("aggregated", "aggregated_orchestrator")):
         cfg = config(repo, ensemble)
         assert [t.name for t in cfg.output] == ["text_output", "num_output_tokens"] and cfg.max_batch_size > 0
@@ -158,6 +166,7 @@ def test_ensembles_wire_preprocessing_orchestrator_postprocessing(repo):
         assert steps[0][1] == {
             "QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "END_ID": "end_id", "PAD_ID": "pad_id",
             **{name.upper(): name for name in checked}, "STOP_WORDS_DICT": "stop_words", "BAD_WORDS_DICT": "bad_words",
+            "DECODER_QUERY": "decoder_text_input", **{name.upper(): name for name in not_built},
         }
         assert steps[1][1] == {
             "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN", "request_output_len": "_REQUEST_OUTPUT_LEN",

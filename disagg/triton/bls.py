@@ -26,7 +26,7 @@ from disagg.triton.metrics import STUB_LOCK
 from disagg.triton.orchestrator import ClientStream
 from disagg.triton.orchestrator import TritonPythonModel as Orchestrator
 from disagg.triton.postprocessing import Postprocessor
-from disagg.triton.preprocessing import TENSOR_OF, WORD_LISTS, InputError, load_preprocessor, prepare_request
+from disagg.triton.preprocessing import NOT_BUILT_TENSOR, TENSOR_OF, WORD_LISTS, InputError, load_preprocessor, prepare_request
 
 PASSED_ON = {i.public: i.to for i in text_contract.PASSED_ON}  # public input -> orchestrator input
 ORCHESTRATOR_NAME = {h.output: h.to for h in text_contract.PREPROCESSED}  # preprocessing output -> orchestrator input
@@ -48,7 +48,7 @@ class TextStream(ClientStream):
 
 
 class TritonPythonModel(Orchestrator):
-    read_inputs = frozenset((*TENSOR_OF, *WORD_LISTS, *PASSED_ON))
+    read_inputs = frozenset((*TENSOR_OF, *WORD_LISTS, *NOT_BUILT_TENSOR, *PASSED_ON))
 
     def initialize(self, args):
         super().initialize(args)

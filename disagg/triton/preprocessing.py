@@ -18,7 +18,9 @@ does not declare. Each is honoured or refused here by name, never ignored: `min_
 `seed`/`random_seed` (either name, same meaning) go on to the engines; `length_penalty` is accepted and,
 as in TensorRT-LLM at beam width 1, changes nothing (only its beam search reads it); the inputs in
 ONLY_DEFAULT are refused unless they hold the value that asks for nothing, `stop_words`/`bad_words`
-unless empty. (`exclude_input_in_output` and `stream` go to the orchestrator.)
+unless empty, and those of REFUSED (upstream's inputs for LoRA, prompt tuning, guided decoding and the like,
+which these engines are not built for) unless empty or zero. (`exclude_input_in_output` and `stream` go to
+the orchestrator.)
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from tokenizers import Tokenizer
 from disagg.engine.sampling import NO_END_ID
 from disagg.text import encode_prompt, load_tokenizer, special_ids, special_tokens_note
 from disagg.triton.paths import model_param, resolve_path
-from disagg.triton.text_contract import CHECKED
+from disagg.triton.text_contract import CHECKED, NOT_BUILT, NOT_BUILT_BLS
 
 
 class InputError(ValueError):
@@ -83,7 +85,24 @@ ONLY_DEFAULT = {
     "return_perf_metrics": (False, "the ensemble has no kv_cache_*/*_time_ns outputs"),
     "return_kv_cache_reuse_stats": (False, "the ensemble has no kv_cache_* outputs"),
 }
-WORD_LISTS = {i.public: i.to for i in CHECKED if i.words}
+WORD_LISTS = {i.public: i.to for i in CHECKED if i.dims != (1,)}
+# Upstream inputs for what these engines are not built to do (text_contract.NOT_BUILT, NOT_BUILT_BLS): refused
+# unless they ask for nothing (empty, or only empty strings, zeros and false).
+_PROMPT_TUNING = "prompt tuning needs engines built with a prompt embedding table, and these are not"
+_LORA = "LoRA needs engines built with the LoRA plugin and a LoRA cache, and these are not"
+_GUIDED = "guided decoding needs the executor's guided-decoding backend, which this deployment does not configure"
+_MULTIMODAL = "multimodal requests need a vision encoder, and this deployment has none"
+_DRAFT = "speculative decoding needs a draft model, and this deployment has none"
+REFUSED = {
+    "decoder_text_input": "encoder-decoder models only; these engines are decoder-only",
+    "prompt_embedding_table": _PROMPT_TUNING, "prompt_vocab_size": _PROMPT_TUNING, "prompt_table_extra_id": _PROMPT_TUNING,
+    "embedding_bias_words": "no embedding bias is applied here", "embedding_bias_weights": "no embedding bias is applied here",
+    "lora_task_id": _LORA, "lora_weights": _LORA, "lora_config": _LORA,
+    "guided_decoding_guide_type": _GUIDED, "guided_decoding_guide": _GUIDED,
+    "image_input": _MULTIMODAL, "image_bytes_input": _MULTIMODAL, "image_url_input": _MULTIMODAL, "video_bytes_input": _MULTIMODAL,
+    "num_draft_tokens": _DRAFT, "use_draft_logits": _DRAFT,
+}
+NOT_BUILT_TENSOR = {i.public: i.to for i in (*NOT_BUILT, *NOT_BUILT_BLS)}
 # The older names upstream's ensemble had up to tensorrtllm_backend v0.19.0 (renamed in commit c2e65b8).
 OLDER_NAMES = {"min_tokens": "min_length", "seed": "random_seed"}
 
@@ -177,6 +196,16 @@ def refuse_unsupported(options: dict) -> None:
             )
 
 
+def refuse_not_built(field: str, array: np.ndarray | None) -> None:
+    """An input of REFUSED, sent: an error unless every value in it is empty, zero or false."""
+    if array is None:
+        return
+    sent = any(map(bool, array.reshape(-1))) if array.dtype == object else bool(np.any(array))
+    if not sent:
+        return
+    raise InputError(f"{field}: not supported by this deployment ({REFUSED[field]}; only an empty or zero value is accepted)")
+
+
 @dataclass(frozen=True)
 class Preprocessor:
     tokenizer: Tokenizer
@@ -248,7 +277,7 @@ def parse_bool(key: str, value: str) -> bool:
 
 
 # Public field (the ensemble's input) -> preprocessing's input tensor, for every one-value field validated here.
-TENSOR_OF = {i.public: i.to for i in CHECKED if not i.words}
+TENSOR_OF = {i.public: i.to for i in CHECKED if i.dims == (1,)}
 
 
 def _one(array: np.ndarray | None, field: str):
@@ -272,6 +301,8 @@ def prepare_request(pre: Preprocessor, arrays: dict[str, np.ndarray], public_nam
     def value(field: str, tensor: str):
         return arrays.get(field if public_names else tensor)
 
+    for field, tensor in NOT_BUILT_TENSOR.items():
+        refuse_not_built(field, value(field, tensor))
     scalars = {field: _one(value(field, tensor), field) for field, tensor in TENSOR_OF.items()}
     words = {field: _words(value(field, tensor)) for field, tensor in WORD_LISTS.items()}
     return pre.prepare(scalars.pop("text_input"), scalars.pop("max_tokens"), **scalars, **words)

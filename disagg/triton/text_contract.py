@@ -6,9 +6,11 @@ The configs of `ensemble`, `aggregated`, `preprocessing` and `tensorrt_llm_bls` 
 tensorrt_llm_bls renames its inputs with them, so what the ensemble wires and what the BLS does in
 process cannot disagree.
 
-The inputs are upstream's (tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/config.pbtxt),
-under the names of v0.17.0-v0.19.0 and of commit c2e65b8 on (`min_length`/`min_tokens`,
-`random_seed`/`seed`), plus `service_class`.
+The inputs are upstream's (tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/config.pbtxt and
+tensorrt_llm_bls/config.pbtxt, their types and dims), under the names of v0.17.0-v0.19.0 and of commit
+c2e65b8 on (`min_length`/`min_tokens`, `random_seed`/`seed`, `return_kv_cache_reuse_stats`/
+`return_perf_metrics`; v0.19.0 added `guided_decoding_guide_type`/`guided_decoding_guide`), plus
+`service_class`.
 """
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TextInput:
-    """A public input (dims [1] unless `words`): its Triton type and the input of the step that reads it."""
+    """A public input: its Triton type and dims, and the input of the step that reads it."""
 
     public: str
     type: str
     to: str  # preprocessing's tensor, or the orchestrator's input
     optional: bool = True
-    words: bool = False  # a list of strings (dims [-1])
+    dims: tuple[int, ...] = (1,)  # one value per request, or a list (stop_words) or table
+    ragged: bool = False
 
 
 # Validated by preprocessing (disagg.triton.preprocessing), under its tensor names.
@@ -47,8 +50,35 @@ CHECKED = (
     TextInput("return_perf_metrics", "BOOL", "RETURN_PERF_METRICS"),
     TextInput("return_kv_cache_reuse_stats", "BOOL", "RETURN_KV_CACHE_REUSE_STATS"),
     TextInput("beam_width", "INT32", "BEAM_WIDTH"),
-    TextInput("stop_words", "STRING", "STOP_WORDS_DICT", words=True),
-    TextInput("bad_words", "STRING", "BAD_WORDS_DICT", words=True),
+    TextInput("stop_words", "STRING", "STOP_WORDS_DICT", dims=(-1,)),
+    TextInput("bad_words", "STRING", "BAD_WORDS_DICT", dims=(-1,)),
+)
+
+# Upstream's inputs for what these engines are not built to do: declared, so that a client sending one gets
+# preprocessing's refusal naming it, not Triton's "unexpected inference input"; accepted when they ask for
+# nothing (disagg.triton.preprocessing, REFUSED).
+NOT_BUILT = (
+    TextInput("decoder_text_input", "STRING", "DECODER_QUERY"),
+    TextInput("prompt_embedding_table", "FP16", "PROMPT_EMBEDDING_TABLE", dims=(-1, -1)),
+    TextInput("prompt_vocab_size", "INT32", "PROMPT_VOCAB_SIZE"),
+    TextInput("prompt_table_extra_id", "UINT64", "PROMPT_TABLE_EXTRA_ID"),
+    TextInput("embedding_bias_words", "STRING", "EMBEDDING_BIAS_WORDS", dims=(-1,)),
+    TextInput("embedding_bias_weights", "FP32", "EMBEDDING_BIAS_WEIGHTS", dims=(-1,)),
+    TextInput("lora_task_id", "UINT64", "LORA_TASK_ID"),
+    TextInput("lora_weights", "FP16", "LORA_WEIGHTS", dims=(-1, -1), ragged=True),
+    TextInput("lora_config", "INT32", "LORA_CONFIG", dims=(-1, 3), ragged=True),
+    TextInput("guided_decoding_guide_type", "STRING", "GUIDED_DECODING_GUIDE_TYPE"),
+    TextInput("guided_decoding_guide", "STRING", "GUIDED_DECODING_GUIDE"),
+)
+# Those upstream's tensorrt_llm_bls declares beside the ensemble's (multimodal input, a draft model): refused
+# by tensorrt_llm_bls itself, which reads them by these public names.
+NOT_BUILT_BLS = (
+    TextInput("image_input", "FP16", "IMAGE_INPUT", dims=(-1, 3, -1, -1)),
+    TextInput("image_bytes_input", "UINT8", "IMAGE_BYTES_INPUT", dims=(-1, -1, -1, -1)),
+    TextInput("image_url_input", "STRING", "IMAGE_URL_INPUT"),
+    TextInput("video_bytes_input", "UINT8", "VIDEO_BYTES_INPUT", dims=(-1, -1, -1, -1)),
+    TextInput("num_draft_tokens", "INT32", "NUM_DRAFT_TOKENS"),
+    TextInput("use_draft_logits", "BOOL", "USE_DRAFT_LOGITS"),
 )
 
 # Taken by the orchestrator as they are, under its own names.
@@ -81,4 +111,5 @@ PREPROCESSED = (
     Handed("OUT_SEED", "_SEED", "seed"),
 )
 
-TEMPLATE_NAMES = {"checked_inputs": CHECKED, "passed_on_inputs": PASSED_ON, "preprocessed": PREPROCESSED}
+TEMPLATE_NAMES = {"checked_inputs": CHECKED + NOT_BUILT, "bls_inputs": NOT_BUILT_BLS, "passed_on_inputs": PASSED_ON,
+                  "preprocessed": PREPROCESSED}
