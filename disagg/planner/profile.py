@@ -148,7 +148,7 @@ def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
     chunks prompts, chunks beside a batch of decodes. One BLAS thread, as the engine model serves
     (disagg.triton.engine_model)."""
     with threadpool_limits(1, user_api="blas"):
-        return _Profiler(LLMEngine(engine_dir)).run(engine_dir.name, progress)
+        return Profiler(LLMEngine(engine_dir)).run(engine_dir.name, progress)
 
 
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -157,7 +157,10 @@ TIMED_STEPS = 4
 PROMPTING = (Status.WAITING, Status.CONTEXT)
 
 
-class _Profiler:
+class Profiler:
+    """Runs an engine step by step and records each step's work and time (`steps`): the prompts, prefilled
+    contexts and imported batches that `profile_engine` times, and `python -m disagg.bench corun` too."""
+
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.build = engine.config.build
@@ -172,7 +175,7 @@ class _Profiler:
     def _prompt(self, n: int) -> tuple[int, ...]:
         return tuple(int(t) for t in self.rng.integers(2, self.engine.config.model.vocab_size, n))
 
-    def _timed_step(self) -> None:
+    def timed_step(self) -> None:
         """One step, recorded with what it computed (read from the engine's own sequences)."""
         e = self.engine
         decoding = [s for s in e.running.values() if s.status is Status.RUNNING]
@@ -184,25 +187,25 @@ class _Profiler:
         self.steps.append(Timed(len(decoding), float(sum(len(s.tokens) for s in decoding)), sum(n for n, _ in sizes),
                                 sum(n * (o + (n + 1) / 2) for n, o in sizes), seconds))
 
-    def _prompt_steps(self, n: int, request_type: str = "context_and_generation") -> str:
+    def prompt_steps(self, n: int, request_type: str = "context_and_generation") -> str:
         """A prompt of n tokens, every step of its context phase timed; its id (held or generating: its caller
         releases or aborts it)."""
         req_id = self._id()
         self.engine.add_request(Request(req_id, self._prompt(n), 2, request_type))
         while self.engine.find(req_id).status in PROMPTING:
-            self._timed_step()
+            self.timed_step()
         return req_id
 
-    def _prefilled(self, context: int) -> tuple[tuple[int, ...], ContextPhase]:
+    def prefilled(self, context: int) -> tuple[tuple[int, ...], ContextPhase]:
         """A prompt of `context` tokens and its KV, as a generation-only request takes them."""
         e = self.engine
-        req_id = self._prompt_steps(context, "context_only")
+        req_id = self.prompt_steps(context, "context_only")
         seq = e.held[req_id]
         phase = ContextPhase(seq.tokens[-1], e.export_kv(req_id))
         e.release(req_id)
         return tuple(seq.request.prompt_ids), phase
 
-    def _import(self, batch: int, prompt: tuple[int, ...], context: ContextPhase, new_tokens: int) -> list[str]:
+    def import_batch(self, batch: int, prompt: tuple[int, ...], context: ContextPhase, new_tokens: int) -> list[str]:
         """`batch` generation-only sequences continuing from `context`, past their first (untimed) step."""
         ids = [self._id() for _ in range(batch)]
         for req_id in ids:
@@ -211,9 +214,9 @@ class _Profiler:
         return ids
 
     def _decode_steps(self, batch: int, prompt: tuple[int, ...], context: ContextPhase) -> None:
-        ids = self._import(batch, prompt, context, 2 * TIMED_STEPS)
+        ids = self.import_batch(batch, prompt, context, 2 * TIMED_STEPS)
         for _ in range(TIMED_STEPS):
-            self._timed_step()
+            self.timed_step()
         for req_id in ids:
             self.engine.abort(req_id)
 
@@ -224,8 +227,8 @@ class _Profiler:
         if chunk <= 0:
             return
         length = min(3 * chunk, b.max_input_len, b.max_seq_len - 2)
-        ids = self._import(decodes, prompt, context, -(-length // chunk) + 4)
-        ids.append(self._prompt_steps(length))
+        ids = self.import_batch(decodes, prompt, context, -(-length // chunk) + 4)
+        ids.append(self.prompt_steps(length))
         for req_id in ids:
             self.engine.abort(req_id)
 
@@ -255,10 +258,10 @@ class _Profiler:
         prefilled: dict[int, tuple[tuple[int, ...], ContextPhase]] = {}
         for kind, arg in tqdm(work, desc=f"profile {name}", disable=not progress, leave=False):
             if kind == "prompt":
-                self._typical(lambda n=arg: self.engine.abort(self._prompt_steps(n)))
+                self._typical(lambda n=arg: self.engine.abort(self.prompt_steps(n)))
                 continue
             batch, context = arg if kind == "decode" else (arg, contexts[0])
             if context not in prefilled:
-                prefilled[context] = self._prefilled(context)
+                prefilled[context] = self.prefilled(context)
             (self._decode_steps if kind == "decode" else self._mixed_steps)(batch, *prefilled[context])
         return fit(self.steps)

@@ -1,0 +1,100 @@
+"""Engine steps alone and beside a second engine process: what co-located engines cost each other here.
+
+The planner (disagg.planner.simulate, `Host`) shares this machine's cores between the engines' steps as
+Linux shares cores between runnable threads, and models nothing more: no slowdown from the caches and
+memory bus two engine processes share. This measures that assumption on the bench model: decode steps
+(a batch of generation-only sequences over imported contexts, as the decode role runs them) timed alone
+and while a second process prefills prompts back to back, then whole-prompt steps alone and while the
+second process decodes. Rounds alternate between the two conditions so that a drift in the machine's speed
+hits both. One BLAS thread per process, as the load tests serve.
+
+    python -m disagg.bench corun                     # bench-100mb, batch 4 over 1024-token contexts
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from disagg.bench.engine import build_engine
+from disagg.engine.engine import LLMEngine
+from disagg.planner.profile import Profiler
+
+SETTLE_S = 1.0  # after the second process is told to start or stop, before timing
+
+
+def _busy(engine_dir: Path, work: str, context: int, batch: int, go, stop) -> None:
+    """The second process: while `go` is set, prefills `context`-token prompts or decodes `batch` sequences."""
+    with threadpool_limits(1, user_api="blas"):
+        p = Profiler(LLMEngine(engine_dir))
+        prompt, phase = p.prefilled(context)
+        while not stop.is_set():
+            if not go.wait(0.05):
+                continue
+            if work == "prefill":
+                p.engine.release(p.prompt_steps(context, "context_only"))
+            else:
+                ids = p.import_batch(batch, prompt, phase, 40)
+                for _ in range(30):
+                    p.engine.step()
+                for req_id in ids:
+                    p.engine.abort(req_id)
+            p.steps.clear()
+
+
+def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds: int) -> dict[str, list[float]]:
+    """{"alone": [...], "beside": [...]}: seconds of this process's `timed` steps ("decode": batch `batch` over
+    `context`-token contexts; "prefill": one `context`-token prompt) with the second process idle, then busy with
+    the other kind of work, `rounds` times."""
+    go, stop = mp.Event(), mp.Event()
+    other = mp.Process(target=_busy, args=(engine_dir, "prefill" if timed == "decode" else "decode", context, batch, go, stop))
+    other.start()
+    seconds: dict[str, list[float]] = {"alone": [], "beside": []}
+    try:
+        with threadpool_limits(1, user_api="blas"):
+            p = Profiler(LLMEngine(engine_dir))
+            prompt, phase = p.prefilled(context)
+            for _ in range(rounds):
+                for condition in ("alone", "beside"):
+                    (go.set if condition == "beside" else go.clear)()
+                    time.sleep(SETTLE_S)
+                    p.steps.clear()
+                    if timed == "decode":
+                        ids = p.import_batch(batch, prompt, phase, 20)
+                        for _ in range(12):
+                            p.timed_step()
+                        for req_id in ids:
+                            p.engine.abort(req_id)
+                    else:
+                        p.engine.release(p.prompt_steps(context, "context_only"))
+                    seconds[condition] += [s.seconds for s in p.steps]
+    finally:
+        stop.set()
+        go.set()
+        other.join(timeout=60)
+        if other.is_alive():
+            other.kill()
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m disagg.bench corun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, default=Path("build"), help="where checkpoints and engines are cached")
+    p.add_argument("--preset", default="bench-100mb")
+    p.add_argument("--context", type=int, default=1024, help="prompt and context length (tokens)")
+    p.add_argument("--batch", type=int, default=4, help="decode batch")
+    p.add_argument("--rounds", type=int, default=6)
+    a = p.parse_args(argv)
+    engine_dir = build_engine(a.root, a.preset, a.batch, a.context, 64)
+    print(f"co-run on {a.preset}: {a.rounds} rounds, alone and beside, one BLAS thread per process", flush=True)
+    for timed, beside, what in (("decode", "prefilling", f"decode steps (batch {a.batch}, {a.context}-token contexts)"),
+                                ("prefill", "decoding", f"prompt steps ({a.context} tokens)")):
+        s = step_seconds(engine_dir, timed, a.context, a.batch, a.rounds)
+        alone, near = float(np.median(s["alone"])), float(np.median(s["beside"]))
+        print(f"  {what}: median alone {alone * 1e3:.1f} ms, beside a {beside} process {near * 1e3:.1f} ms: "
+              f"x{near / alone:.2f} ({len(s['alone'])} / {len(s['beside'])} steps)", flush=True)
+    return 0
