@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", default="256,1024,1920", help="comma-separated prompt lengths (tokens)")
     p.add_argument("--rates", help="comma-separated request rates (default: the workload's sweep_rates)")
     p.add_argument("--seconds", type=float, help="each load point's duration (default: the workload's)")
+    p.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO (default: the workload's)")
+    p.add_argument("--slo-tpot-ms", type=float, help="TPOT SLO (default: the workload's)")
     p.add_argument("--out", type=Path, help="output directory (default: results/crossover-<timestamp>)")
     a = p.parse_args(argv)
 
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = load_workload(base)
     rates = [float(r) for r in a.rates.split(",")] if a.rates else list(workload.sweep_rates or [workload.rate])
     lengths = [int(n) for n in a.prompt_tokens.split(",")]
-    slo = Slo(workload.ttft_slo_ms, workload.tpot_slo_ms)
+    slo = Slo(a.slo_ttft_ms or workload.ttft_slo_ms, a.slo_tpot_ms or workload.tpot_slo_ms)
     out = a.out or Path("results") / f"crossover-{datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(THREAD_ENV)
