@@ -112,8 +112,9 @@ def _http(host: str, port: int, bad: BadRequest) -> tuple[int, str]:
         conn.close()
 
 
-def _tensor(name: str, value, triton_type: str) -> grpcclient.InferInput:
-    dtype = {"BYTES": object, "INT32": np.int32, "FP32": np.float32, "UINT8": np.uint8, "BOOL": bool}[triton_type]
+def infer_input(name: str, value, triton_type: str) -> grpcclient.InferInput:
+    """One gRPC input of a request: `value` one element, or a list (shape [1, n], empty: [1, 0])."""
+    dtype = {"BYTES": object, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "UINT8": np.uint8, "BOOL": bool}[triton_type]
     array = np.array([value if isinstance(value, list) else [value]], dtype=dtype)
     tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
     tensor.set_data_from_numpy(array)
@@ -129,7 +130,7 @@ def _grpc(url: str, bad: BadRequest, internal_key: str) -> str | None:
     got: queue.Queue = queue.Queue()
     try:
         client.start_stream(callback=lambda result, error: got.put(error))
-        client.async_stream_infer(bad.model, [_tensor(*i) for i in bad.inputs], parameters=parameters or None,
+        client.async_stream_infer(bad.model, [infer_input(*i) for i in bad.inputs], parameters=parameters or None,
                                   enable_empty_final_response=True)
         error = got.get(timeout=120)
         return None if error is None else error.message()

@@ -9,7 +9,6 @@ import dataclasses
 import queue
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2
@@ -18,6 +17,7 @@ from disagg.openai.deployment import Deployment
 from disagg.render import plan_models, render_repository
 from disagg.repository import parse_config
 from disagg.spec import load_spec
+from loadtest.bad_inputs import BadRequest, infer_input, send
 from tests.e2e_helpers import busy, cancelled_total, cancels_after, never_token, wait_kv_zero
 from tools.stream_client import StreamError, build_inputs, stream
 
@@ -122,42 +122,25 @@ def test_the_bls_refuses_bad_inputs_as_the_ensemble_does_and_keeps_serving(serve
     assert not any(wait_kv_zero(server).values())
 
 
-def _refusal(url: str, model: str, inputs) -> str:
-    """The error a request was answered with (AssertionError if it was answered without one)."""
-    client = grpcclient.InferenceServerClient(url)
-    got: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put(error))
-    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-    try:
-        while (error := got.get(timeout=60)) is None:
-            pass
-        return error.message()
-    finally:
-        client.stop_stream()
-        client.close()
-
-
-def _tensor(name: str, array: np.ndarray, triton_type: str) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput(name, list(array.shape), triton_type)
-    tensor.set_data_from_numpy(array)
-    return tensor
+HI = (("text_input", b"hi", "BYTES"), ("max_tokens", 8, "INT32"))
 
 
 @pytest.mark.e2e
 def test_upstreams_inputs_for_what_the_engines_cannot_do_are_refused_by_name_and_accepted_empty(server):
-    lora = _tensor("lora_task_id", np.array([[5]], dtype=np.uint64), "UINT64")
+    lora = ("lora_task_id", 0, "UINT64")  # an id: even task 0 asks for a LoRA
     for model in ("ensemble", "tensorrt_llm_bls"):
-        assert _refusal(server.grpc_url, model, [*build_inputs("hi", 8), lora]).endswith(  # the ensemble's begins "in ensemble ..."
-            "lora_task_id: not supported by this deployment (LoRA needs engines built with the LoRA plugin and a LoRA cache, "
-            "and these are not; only an empty or zero value is accepted)")
-    draft = _tensor("num_draft_tokens", np.array([[3]], dtype=np.int32), "INT32")  # upstream's BLS alone declares it
-    assert "num_draft_tokens: not supported by this deployment (speculative decoding needs a draft model" in _refusal(
-        server.grpc_url, "tensorrt_llm_bls", [*build_inputs("hi", 8), draft])
-    nothing = [_tensor("embedding_bias_words", np.array([[b""]], dtype=object), "BYTES"),
-               _tensor("embedding_bias_weights", np.zeros((1, 0), dtype=np.float32), "FP32")]
+        got = send(BadRequest("a LoRA task", "grpc", "lora_task_id: not supported by this deployment", inputs=(*HI, lora), model=model),
+                   server.http_url, server.grpc_url, server.internal_key)
+        assert got.endswith("lora_task_id: not supported by this deployment (LoRA needs engines built with the LoRA plugin and a "
+                            "LoRA cache, and these are not; send none)"), got  # the ensemble's begins "in ensemble ..."
+    draft = BadRequest("a draft model", "grpc", "num_draft_tokens: not supported by this deployment (speculative decoding needs a draft model",
+                       inputs=(*HI, ("num_draft_tokens", 3, "INT32")), model="tensorrt_llm_bls")  # upstream's BLS alone declares it
+    send(draft, server.http_url, server.grpc_url, server.internal_key)
+    nothing = [infer_input("embedding_bias_words", [b""], "BYTES"), infer_input("embedding_bias_weights", [], "FP32"),
+               infer_input("image_url_input", b"", "BYTES")]
     plain = _responses(server.grpc_url, "ensemble", build_inputs(PROMPTS[0], 8))
-    for model in ("ensemble", "tensorrt_llm_bls"):
-        assert _responses(server.grpc_url, model, [*build_inputs(PROMPTS[0], 8), *nothing]) == plain
+    for model, extra in (("ensemble", nothing[:2]), ("tensorrt_llm_bls", nothing)):
+        assert _responses(server.grpc_url, model, [*build_inputs(PROMPTS[0], 8), *extra]) == plain
     assert not any(wait_kv_zero(server).values())
 
 

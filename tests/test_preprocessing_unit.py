@@ -9,7 +9,7 @@ import pytest
 
 from disagg.triton.paths import model_param, resolve_path
 from disagg.triton.postprocessing import Postprocessor
-from disagg.triton.preprocessing import NOT_BUILT_TENSOR, REFUSED, InputError, Limits, Preprocessor, prepare_request
+from disagg.triton.preprocessing import BLS_ONLY, NOT_BUILT_TENSOR, REFUSED, InputError, Limits, Preprocessor, prepare_request
 from disagg.text import Detokenizer, load_tokenizer
 
 LIMITS = Limits(max_input_len=256, max_output_len=319, max_seq_len=320)
@@ -96,7 +96,7 @@ def test_upstream_ensemble_inputs_that_ask_for_nothing_or_for_min_tokens_are_acc
 
 
 def test_inputs_for_what_the_engines_are_not_built_to_do_are_refused_by_name_unless_they_ask_for_nothing(pre):
-    assert set(REFUSED) == set(NOT_BUILT_TENSOR)  # each declared one has its reason
+    assert set(REFUSED) == {*NOT_BUILT_TENSOR, *BLS_ONLY}  # each declared one has its reason
     base = {"QUERY": np.array([[b"hello"]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[8]], dtype=np.int32)}
     with pytest.raises(InputError) as err:
         prepare_request(pre, {**base, "GUIDED_DECODING_GUIDE_TYPE": np.array([[b"json"]], dtype=object)})
@@ -109,7 +109,11 @@ def test_inputs_for_what_the_engines_are_not_built_to_do_are_refused_by_name_unl
         prepare_request(pre, {**public, "image_input": np.ones((1, 1, 3, 2, 2), dtype=np.float16)}, public_names=True)
     nothing = {"EMBEDDING_BIAS_WORDS": np.array([[b""]], dtype=object), "EMBEDDING_BIAS_WEIGHTS": np.zeros((1, 0), np.float32),
                "PROMPT_EMBEDDING_TABLE": np.zeros((1, 2, 4), np.float16), "DECODER_QUERY": np.array([[b""]], dtype=object),
-               "LORA_TASK_ID": np.array([[0]], dtype=np.uint64)}
+               "LORA_TASK_ID": np.zeros((1, 0), dtype=np.uint64)}
+    with pytest.raises(InputError, match=r"^lora_task_id: .*LoRA cache, and these are not; send none\)$"):  # 0 is a task id
+        prepare_request(pre, {**base, "LORA_TASK_ID": np.array([[0]], dtype=np.uint64)})
+    with pytest.raises(InputError, match=r"^decoder_text_input: "):  # fixed-width strings, as a direct caller may pass them
+        prepare_request(pre, {**base, "DECODER_QUERY": np.array([[b"translate"]])})
     accepted = prepare_request(pre, {**base, **nothing})
     assert accepted.input_ids.tolist() == prepare_request(pre, base).input_ids.tolist() and accepted.output_len == 8
 

@@ -26,7 +26,9 @@ from disagg.triton.metrics import STUB_LOCK
 from disagg.triton.orchestrator import ClientStream
 from disagg.triton.orchestrator import TritonPythonModel as Orchestrator
 from disagg.triton.postprocessing import Postprocessor
-from disagg.triton.preprocessing import NOT_BUILT_TENSOR, TENSOR_OF, WORD_LISTS, InputError, load_preprocessor, prepare_request
+from disagg.triton.preprocessing import (
+    BLS_ONLY, NOT_BUILT_TENSOR, TENSOR_OF, WORD_LISTS, InputError, asks_for_something, load_preprocessor, prepare_request,
+)
 
 PASSED_ON = {i.public: i.to for i in text_contract.PASSED_ON}  # public input -> orchestrator input
 ORCHESTRATOR_NAME = {h.output: h.to for h in text_contract.PREPROCESSED}  # preprocessing output -> orchestrator input
@@ -48,12 +50,27 @@ class TextStream(ClientStream):
 
 
 class TritonPythonModel(Orchestrator):
-    read_inputs = frozenset((*TENSOR_OF, *WORD_LISTS, *NOT_BUILT_TENSOR, *PASSED_ON))
+    read_inputs = frozenset((*TENSOR_OF, *WORD_LISTS, *PASSED_ON))
+    refused_inputs = frozenset((*NOT_BUILT_TENSOR, *BLS_ONLY))
 
     def initialize(self, args):
         super().initialize(args)
         self.pre = load_preprocessor(args, "tensorrt_llm_bls")
         self.detokenizer = Postprocessor.from_parameters(args, self.pre.tokenizer).detokenizer
+
+    def _copy_inputs(self, request) -> dict[str, np.ndarray]:
+        """As the orchestrator, but an input for what the engines are not built to do is only looked at: one that
+        asks for something becomes a marker its refusal needs (an image or a LoRA table is not copied under
+        the stub's lock to be refused), one that asks for nothing is left out."""
+        arrays = {}
+        for t in request.inputs():
+            name = t.name()
+            if name in self.refused_inputs:
+                if asks_for_something(name, t.as_numpy()):
+                    arrays[name] = np.ones((1, 1), dtype=np.bool_)
+            elif name in self.read_inputs:
+                arrays[name] = t.as_numpy().copy()
+        return arrays
 
     def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
         return TextStream(sender, streaming, stream_id, self.detokenizer)

@@ -360,13 +360,16 @@ class TritonPythonModel:
 
     def _accept(self, requests) -> None:
         for request in requests:
-            # Inputs are copied here: a request's tensors are released once execute returns.
-            arrays = {t.name(): t.as_numpy().copy() for t in request.inputs() if t.name() in self.read_inputs}
+            arrays = self._copy_inputs(request)
             if "service_class" not in arrays:  # else the request parameter of that name (an ensemble passes them on)
                 named = json.loads(request.parameters() or "{}").get("service_class")
                 if named is not None:
                     arrays["service_class"] = np.asarray([[str(named).encode()]], dtype=object)
             self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
+
+    def _copy_inputs(self, request) -> dict[str, np.ndarray]:
+        """The request's inputs this model reads, copied: its tensors are released once execute returns."""
+        return {t.name(): t.as_numpy().copy() for t in request.inputs() if t.name() in self.read_inputs}
 
     def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
         return ClientStream(sender, streaming, stream_id)

@@ -87,7 +87,7 @@ ONLY_DEFAULT = {
 }
 WORD_LISTS = {i.public: i.to for i in CHECKED if i.dims != (1,)}
 # Upstream inputs for what these engines are not built to do (text_contract.NOT_BUILT, NOT_BUILT_BLS): refused
-# unless they ask for nothing (empty, or only empty strings, zeros and false).
+# unless they ask for nothing (empty, or only empty strings, zeros and false; an id: not sent at all).
 _PROMPT_TUNING = "prompt tuning needs engines built with a prompt embedding table, and these are not"
 _LORA = "LoRA needs engines built with the LoRA plugin and a LoRA cache, and these are not"
 _GUIDED = "guided decoding needs the executor's guided-decoding backend, which this deployment does not configure"
@@ -102,7 +102,9 @@ REFUSED = {
     "image_input": _MULTIMODAL, "image_bytes_input": _MULTIMODAL, "image_url_input": _MULTIMODAL, "video_bytes_input": _MULTIMODAL,
     "num_draft_tokens": _DRAFT, "use_draft_logits": _DRAFT,
 }
-NOT_BUILT_TENSOR = {i.public: i.to for i in (*NOT_BUILT, *NOT_BUILT_BLS)}
+NOT_BUILT_TENSOR = {i.public: i.to for i in NOT_BUILT}
+BLS_ONLY = tuple(i.public for i in NOT_BUILT_BLS)
+IDS = ("lora_task_id", "prompt_table_extra_id")  # any value names something: task 0 is a task
 # The older names upstream's ensemble had up to tensorrtllm_backend v0.19.0 (renamed in commit c2e65b8).
 OLDER_NAMES = {"min_tokens": "min_length", "seed": "random_seed"}
 
@@ -196,14 +198,20 @@ def refuse_unsupported(options: dict) -> None:
             )
 
 
+def asks_for_something(field: str, array: np.ndarray) -> bool:
+    """Whether an input of REFUSED, sent, asks for anything: any value of an id, else a non-empty string or a
+    non-zero value."""
+    if array.size == 0:
+        return False
+    if field in IDS:
+        return True
+    return any(map(bool, array.reshape(-1))) if array.dtype.kind in "OSU" else bool(np.any(array))
+
+
 def refuse_not_built(field: str, array: np.ndarray | None) -> None:
-    """An input of REFUSED, sent: an error unless every value in it is empty, zero or false."""
-    if array is None:
-        return
-    sent = any(map(bool, array.reshape(-1))) if array.dtype == object else bool(np.any(array))
-    if not sent:
-        return
-    raise InputError(f"{field}: not supported by this deployment ({REFUSED[field]}; only an empty or zero value is accepted)")
+    if array is not None and asks_for_something(field, array):
+        accepted = "send none" if field in IDS else "only an empty or zero value is accepted"
+        raise InputError(f"{field}: not supported by this deployment ({REFUSED[field]}; {accepted})")
 
 
 @dataclass(frozen=True)
@@ -303,6 +311,8 @@ def prepare_request(pre: Preprocessor, arrays: dict[str, np.ndarray], public_nam
 
     for field, tensor in NOT_BUILT_TENSOR.items():
         refuse_not_built(field, value(field, tensor))
+    for field in BLS_ONLY if public_names else ():
+        refuse_not_built(field, arrays.get(field))
     scalars = {field: _one(value(field, tensor), field) for field, tensor in TENSOR_OF.items()}
     words = {field: _words(value(field, tensor)) for field, tensor in WORD_LISTS.items()}
     return pre.prepare(scalars.pop("text_input"), scalars.pop("max_tokens"), **scalars, **words)

@@ -23,7 +23,7 @@ class TextInput:
 
     public: str
     type: str
-    to: str  # preprocessing's tensor, or the orchestrator's input
+    to: str  # preprocessing's tensor, or the orchestrator's input ("": read by tensorrt_llm_bls alone)
     optional: bool = True
     dims: tuple[int, ...] = (1,)  # one value per request, or a list (stop_words) or table
     ragged: bool = False
@@ -67,18 +67,18 @@ NOT_BUILT = (
     TextInput("lora_task_id", "UINT64", "LORA_TASK_ID"),
     TextInput("lora_weights", "FP16", "LORA_WEIGHTS", dims=(-1, -1), ragged=True),
     TextInput("lora_config", "INT32", "LORA_CONFIG", dims=(-1, 3), ragged=True),
-    TextInput("guided_decoding_guide_type", "STRING", "GUIDED_DECODING_GUIDE_TYPE"),
-    TextInput("guided_decoding_guide", "STRING", "GUIDED_DECODING_GUIDE"),
+    TextInput("guided_decoding_guide_type", "STRING", "GUIDED_DECODING_GUIDE_TYPE", ragged=True),
+    TextInput("guided_decoding_guide", "STRING", "GUIDED_DECODING_GUIDE", ragged=True),
 )
 # Those upstream's tensorrt_llm_bls declares beside the ensemble's (multimodal input, a draft model): refused
-# by tensorrt_llm_bls itself, which reads them by these public names.
+# by tensorrt_llm_bls itself, which reads them by their public names.
 NOT_BUILT_BLS = (
-    TextInput("image_input", "FP16", "IMAGE_INPUT", dims=(-1, 3, -1, -1)),
-    TextInput("image_bytes_input", "UINT8", "IMAGE_BYTES_INPUT", dims=(-1, -1, -1, -1)),
-    TextInput("image_url_input", "STRING", "IMAGE_URL_INPUT"),
-    TextInput("video_bytes_input", "UINT8", "VIDEO_BYTES_INPUT", dims=(-1, -1, -1, -1)),
-    TextInput("num_draft_tokens", "INT32", "NUM_DRAFT_TOKENS"),
-    TextInput("use_draft_logits", "BOOL", "USE_DRAFT_LOGITS"),
+    TextInput("image_input", "FP16", "", dims=(-1, 3, -1, -1)),
+    TextInput("image_bytes_input", "UINT8", "", dims=(-1, -1, -1, -1)),
+    TextInput("image_url_input", "STRING", ""),
+    TextInput("video_bytes_input", "UINT8", "", dims=(-1, -1, -1, -1)),
+    TextInput("num_draft_tokens", "INT32", ""),
+    TextInput("use_draft_logits", "BOOL", ""),
 )
 
 # Taken by the orchestrator as they are, under its own names.
