@@ -6,7 +6,10 @@ memory bus two engine processes share. This measures that assumption on the benc
 (a batch of generation-only sequences over imported contexts, as the decode role runs them) timed alone
 and while a second process prefills prompts back to back, then whole-prompt steps alone and while the
 second process decodes. Rounds alternate between the two conditions so that a drift in the machine's speed
-hits both. One BLAS thread per process, as the load tests serve.
+hits both; "alone" starts only once the second process has finished the work it had begun. Printed as p50
+and p90 of each condition: the slowdown comes in spells (decode steps beside a prefill have run x1.7 for one
+round of eight and x1.0-1.1 in the others here), which a median alone would hide. One BLAS thread per process, as the
+load tests serve.
 
     python -m disagg.bench corun                     # bench-100mb, batch 4 over 1024-token contexts
 """
@@ -24,17 +27,21 @@ from disagg.bench.engine import build_engine
 from disagg.engine.engine import LLMEngine
 from disagg.planner.profile import Profiler
 
-SETTLE_S = 1.0  # after the second process is told to start or stop, before timing
+READY_TIMEOUT_S = 300.0  # the second process loading its engine and prefilling its context
+IDLE_TIMEOUT_S = 60.0  # the second process finishing the prompt or decode burst it had begun
 
 
-def _busy(engine_dir: Path, work: str, context: int, batch: int, go, stop) -> None:
-    """The second process: while `go` is set, prefills `context`-token prompts or decodes `batch` sequences."""
+def _busy(engine_dir: Path, work: str, context: int, batch: int, go, idle, stop) -> None:
+    """The second process: while `go` is set, prefills `context`-token prompts or decodes `batch` sequences;
+    `idle` is set while it computes nothing (first once its engine is loaded)."""
     with threadpool_limits(1, user_api="blas"):
         p = Profiler(LLMEngine(engine_dir))
         prompt, phase = p.prefilled(context)
+        idle.set()
         while not stop.is_set():
-            if not go.wait(0.05):
+            if not go.wait(0.05) or stop.is_set():
                 continue
+            idle.clear()
             if work == "prefill":
                 p.engine.release(p.prompt_steps(context, "context_only"))
             else:
@@ -44,24 +51,46 @@ def _busy(engine_dir: Path, work: str, context: int, batch: int, go, stop) -> No
                 for req_id in ids:
                     p.engine.abort(req_id)
             p.steps.clear()
+            idle.set()
+
+
+def _wait(event, other, timeout_s: float, what: str) -> None:
+    """Until `event` is set; RuntimeError if the second process exits or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not event.wait(0.1):
+        if not other.is_alive():
+            raise RuntimeError(f"the second engine process exited (code {other.exitcode}) before {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the second engine process did not {what} within {timeout_s:g} s")
 
 
 def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds: int) -> dict[str, list[float]]:
     """{"alone": [...], "beside": [...]}: seconds of this process's `timed` steps ("decode": batch `batch` over
     `context`-token contexts; "prefill": one `context`-token prompt) with the second process idle, then busy with
     the other kind of work, `rounds` times."""
-    go, stop = mp.Event(), mp.Event()
-    other = mp.Process(target=_busy, args=(engine_dir, "prefill" if timed == "decode" else "decode", context, batch, go, stop))
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no BLAS thread pool inherited mid-state
+    go, idle, stop = ctx.Event(), ctx.Event(), ctx.Event()
+    other = ctx.Process(target=_busy, args=(engine_dir, "prefill" if timed == "decode" else "decode", context, batch, go, idle, stop),
+                        daemon=True)
     other.start()
     seconds: dict[str, list[float]] = {"alone": [], "beside": []}
     try:
         with threadpool_limits(1, user_api="blas"):
             p = Profiler(LLMEngine(engine_dir))
             prompt, phase = p.prefilled(context)
+            _wait(idle, other, READY_TIMEOUT_S, "loading its engine")
             for _ in range(rounds):
                 for condition in ("alone", "beside"):
-                    (go.set if condition == "beside" else go.clear)()
-                    time.sleep(SETTLE_S)
+                    if condition == "alone":
+                        go.clear()
+                        _wait(idle, other, IDLE_TIMEOUT_S, "finishing its work")
+                    else:
+                        go.set()
+                        deadline = time.monotonic() + IDLE_TIMEOUT_S
+                        while idle.is_set() and other.is_alive() and time.monotonic() < deadline:  # until it computes
+                            time.sleep(0.01)
+                    if not other.is_alive():
+                        raise RuntimeError(f"the second engine process exited (code {other.exitcode})")
                     p.steps.clear()
                     if timed == "decode":
                         ids = p.import_batch(batch, prompt, phase, 20)
@@ -74,10 +103,10 @@ def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds:
                     seconds[condition] += [s.seconds for s in p.steps]
     finally:
         stop.set()
-        go.set()
-        other.join(timeout=60)
+        other.join(timeout=IDLE_TIMEOUT_S)
         if other.is_alive():
             other.kill()
+            other.join()
     return seconds
 
 
@@ -87,14 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="bench-100mb")
     p.add_argument("--context", type=int, default=1024, help="prompt and context length (tokens)")
     p.add_argument("--batch", type=int, default=4, help="decode batch")
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=8)
     a = p.parse_args(argv)
     engine_dir = build_engine(a.root, a.preset, a.batch, a.context, 64)
     print(f"co-run on {a.preset}: {a.rounds} rounds, alone and beside, one BLAS thread per process", flush=True)
     for timed, beside, what in (("decode", "prefilling", f"decode steps (batch {a.batch}, {a.context}-token contexts)"),
                                 ("prefill", "decoding", f"prompt steps ({a.context} tokens)")):
         s = step_seconds(engine_dir, timed, a.context, a.batch, a.rounds)
-        alone, near = float(np.median(s["alone"])), float(np.median(s["beside"]))
-        print(f"  {what}: median alone {alone * 1e3:.1f} ms, beside a {beside} process {near * 1e3:.1f} ms: "
-              f"x{near / alone:.2f} ({len(s['alone'])} / {len(s['beside'])} steps)", flush=True)
+        alone, near = (np.percentile(s[c], (50, 90)) for c in ("alone", "beside"))
+        print(f"  {what}, p50 / p90: alone {alone[0] * 1e3:.1f} / {alone[1] * 1e3:.1f} ms, beside a {beside} process "
+              f"{near[0] * 1e3:.1f} / {near[1] * 1e3:.1f} ms: x{near[0] / alone[0]:.2f} / x{near[1] / alone[1]:.2f} "
+              f"({len(s['alone'])} / {len(s['beside'])} steps)", flush=True)
     return 0
