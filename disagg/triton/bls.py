@@ -58,19 +58,13 @@ class TritonPythonModel(Orchestrator):
         self.pre = load_preprocessor(args, "tensorrt_llm_bls")
         self.detokenizer = Postprocessor.from_parameters(args, self.pre.tokenizer).detokenizer
 
-    def _copy_inputs(self, request) -> dict[str, np.ndarray]:
+    def _copy_input(self, name: str, tensor) -> np.ndarray | None:
         """As the orchestrator, but an input for what the engines are not built to do is only looked at: one that
         asks for something becomes a marker its refusal needs (an image or a LoRA table is not copied under
         the stub's lock to be refused), one that asks for nothing is left out."""
-        arrays = {}
-        for t in request.inputs():
-            name = t.name()
-            if name in self.refused_inputs:
-                if asks_for_something(name, t.as_numpy()):
-                    arrays[name] = np.ones((1, 1), dtype=np.bool_)
-            elif name in self.read_inputs:
-                arrays[name] = t.as_numpy().copy()
-        return arrays
+        if name in self.refused_inputs:
+            return np.ones((1, 1), dtype=np.bool_) if asks_for_something(name, tensor.as_numpy()) else None
+        return super()._copy_input(name, tensor)
 
     def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
         return TextStream(sender, streaming, stream_id, self.detokenizer)

@@ -369,7 +369,16 @@ class TritonPythonModel:
 
     def _copy_inputs(self, request) -> dict[str, np.ndarray]:
         """The request's inputs this model reads, copied: its tensors are released once execute returns."""
-        return {t.name(): t.as_numpy().copy() for t in request.inputs() if t.name() in self.read_inputs}
+        arrays = {}
+        for tensor in request.inputs():
+            array = self._copy_input(tensor.name(), tensor)
+            if array is not None:
+                arrays[tensor.name()] = array
+        return arrays
+
+    def _copy_input(self, name: str, tensor) -> np.ndarray | None:
+        """One input as this model keeps it (None: not kept)."""
+        return tensor.as_numpy().copy() if name in self.read_inputs else None
 
     def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
         return ClientStream(sender, streaming, stream_id)
