@@ -54,14 +54,17 @@ def _busy(engine_dir: Path, work: str, context: int, batch: int, go, idle, stop)
             idle.set()
 
 
-def _wait(event, other, timeout_s: float, what: str) -> None:
-    """Until `event` is set; RuntimeError if the second process exits or `timeout_s` passes first."""
+def _wait(done, other, timeout_s: float, what: str) -> None:
+    """Until `done()`; RuntimeError if the second process has exited, or `timeout_s` passes first."""
     deadline = time.monotonic() + timeout_s
-    while not event.wait(0.1):
+    while True:
         if not other.is_alive():
-            raise RuntimeError(f"the second engine process exited (code {other.exitcode}) before {what}")
+            raise RuntimeError(f"the second engine process exited (code {other.exitcode}) before it could {what}")
+        if done():
+            return
         if time.monotonic() > deadline:
             raise RuntimeError(f"the second engine process did not {what} within {timeout_s:g} s")
+        time.sleep(0.01)
 
 
 def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds: int) -> dict[str, list[float]]:
@@ -78,19 +81,15 @@ def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds:
         with threadpool_limits(1, user_api="blas"):
             p = Profiler(LLMEngine(engine_dir))
             prompt, phase = p.prefilled(context)
-            _wait(idle, other, READY_TIMEOUT_S, "loading its engine")
+            _wait(idle.is_set, other, READY_TIMEOUT_S, "load its engine")
             for _ in range(rounds):
                 for condition in ("alone", "beside"):
                     if condition == "alone":
                         go.clear()
-                        _wait(idle, other, IDLE_TIMEOUT_S, "finishing its work")
+                        _wait(idle.is_set, other, IDLE_TIMEOUT_S, "finish its work")
                     else:
                         go.set()
-                        deadline = time.monotonic() + IDLE_TIMEOUT_S
-                        while idle.is_set() and other.is_alive() and time.monotonic() < deadline:  # until it computes
-                            time.sleep(0.01)
-                    if not other.is_alive():
-                        raise RuntimeError(f"the second engine process exited (code {other.exitcode})")
+                        _wait(lambda: not idle.is_set(), other, IDLE_TIMEOUT_S, "start computing")
                     p.steps.clear()
                     if timed == "decode":
                         ids = p.import_batch(batch, prompt, phase, 20)
