@@ -3,6 +3,8 @@
     python -m loadtest plan                                   # cpu-bench, workload prefill-heavy, 2 instances
     python -m loadtest plan --instances 8 --rate 3
     python -m loadtest plan --check results/crossover-*/crossover.json    # predictions vs measured runs
+    python -m loadtest plan --config configs/h200x8-intra-node.yaml --workload long-prompt-gpu \\
+        --model-config configs/models/Llama-3.1-8B-Instruct.json --gpu H200    # GPUs: loadtest/plan_gpus.py
 
 1. Builds `--config` and profiles each role's engine on this machine (timed steps, one BLAS thread, as
    the load tests serve: decode steps by batch size, steps with prompt tokens; disagg.planner.profile),
@@ -32,15 +34,18 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from disagg.cli import build
 from disagg.engine import engine as engine_module
 from disagg.engine.config import EngineConfig
-from disagg.planner.plan import Planner, Prediction, Traffic, predict
 from disagg.planner import profile as profile_module
+from disagg.planner.plan import Planner, Prediction, Traffic, predict
 from disagg.planner.profile import StepModel, profile_engine
+from disagg.planner.roofline import ACCELERATORS
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest
 from disagg.spec import DeploymentSpec
+from loadtest import plan_gpus
 from loadtest.compare import THREAD_ENV, compare_spec, run_point
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import Workload, load_workload, workload_file, workload_variant
@@ -225,10 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-host", action="store_true", help="simulate the engines alone: no front, no shared cores (as on GPUs); "
                    "no calibration")
     p.add_argument("--no-calibration", action="store_true", help="the engines' steps as profiled, not scaled to requests served")
+    p.add_argument("--gpu", help=f"a TensorRT-LLM spec: the GPU whose datasheet the step times come from ({', '.join(ACCELERATORS)}; "
+                   "default: NVML's first GPU)")
+    p.add_argument("--model-config", type=Path, help="a TensorRT-LLM spec: the model's config.json, where model.path has none")
     a = p.parse_args(argv)
     os.environ.update(THREAD_ENV)
     workload_path = workload_file(a.workload)
     workload = load_workload(workload_path)
+    if yaml.safe_load(a.config.read_text()).get("backend") == "tensorrt_llm":
+        if a.instances or a.check:
+            raise SystemExit("error: --instances and --check: a TensorRT-LLM spec is planned for its own GPUs, from the datasheet")
+        return plan_gpus.run(a, traffic_of(workload, a.rate))
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))

@@ -12,21 +12,7 @@ from disagg.spec import DeploymentSpec, check_against_model, parse_spec
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = ROOT / "tests" / "fixtures" / "topology"
 
-LLAMA_3_1_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
+LLAMA_3_1_8B = json.loads((ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json").read_text())
 LLAMA_3_1_8B_PARAMS = 8_030_261_248  # the published size of Llama-3.1-8B
 
 

@@ -16,6 +16,8 @@ from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, 
 
 ATTAINMENT_TARGET = 0.9  # DistServe's goodput: the highest rate at which 90% of requests meet both SLOs
 SIMULATED_REQUESTS = 300
+SIMULATED_SECONDS = 30.0  # at least this long a run of arrivals: at GPU rates 300 requests end before queues build
+GOODPUT_TOLERANCE = 0.02  # the bisection stops once the rate is known within this fraction
 
 
 @dataclass(frozen=True)
@@ -30,20 +32,19 @@ class Traffic:
     tpot_slo_s: float
 
     def requests(self, rate: float, count: int = SIMULATED_REQUESTS, seed: int = 0) -> list[SimRequest]:
-        return poisson_requests(rate, count, _sampler(self.prompt_bins), _sampler(self.output_bins), seed)
+        rng = np.random.default_rng(seed)
+        return poisson_requests(rate, count, _draw(rng, self.prompt_bins, count), _draw(rng, self.output_bins, count), rng)
 
     def met(self, r: SimRequest) -> bool:
         return r.ttft <= self.ttft_slo_s and (r.tpot is None or r.tpot <= self.tpot_slo_s)
 
 
-def _sampler(bins: tuple[tuple[float, int, int], ...]) -> Callable[[np.random.Generator], int]:
+def _draw(rng: np.random.Generator, bins: tuple[tuple[float, int, int], ...], count: int) -> list[int]:
+    """`count` lengths: a bin by weight, then a length uniformly within it."""
     weights = np.array([b[0] for b in bins]) / sum(b[0] for b in bins)
-
-    def draw(rng: np.random.Generator) -> int:
-        _, lo, hi = bins[rng.choice(len(bins), p=weights)]
-        return int(rng.integers(lo, hi + 1))
-
-    return draw
+    chosen = rng.choice(len(bins), size=count, p=weights)
+    lo, hi = np.array([b[1] for b in bins])[chosen], np.array([b[2] for b in bins])[chosen]
+    return [int(n) for n in rng.integers(lo, hi + 1)]
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ class Planner:
         return simulate(deployment, self.steps, limits, requests, self.handoff_s, self.hosts.get(deployment.kind))
 
     def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None) -> list[SimRequest]:
-        return self.replay(deployment, traffic.requests(rate, self.requests), decode_batch)
+        count = max(self.requests, int(rate * SIMULATED_SECONDS))
+        return self.replay(deployment, traffic.requests(rate, count), decode_batch)
 
     def goodput(self, deployment: Deployment, traffic: Traffic, decode_batch: int | None = None) -> float:
         def meets(rate: float) -> bool:
@@ -99,7 +101,7 @@ class Planner:
         lo, hi = 0.0, max(traffic.rate, 0.05)
         while meets(hi) and hi < 1e4:
             lo, hi = hi, hi * 2
-        for _ in range(10):
+        while hi - lo > GOODPUT_TOLERANCE * hi:
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if meets(mid) else (lo, mid)
         return lo

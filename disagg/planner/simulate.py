@@ -138,13 +138,11 @@ class SimEngine:
                 seq.generated, seq.generating = 1, True
                 if self.role == "context_only":
                     handed.append(seq.req)
-        self.running = [s for s in self.running if not self._done(s)]
-        return emitted, handed
-
-    def _done(self, seq: _Seq) -> bool:
         if self.role == "context_only":
-            return seq.generating
-        return seq.generated >= seq.req.output
+            self.running = [s for s in self.running if not s.generating]
+        else:
+            self.running = [s for s in self.running if s.generated < s.req.output]
+        return emitted, handed
 
 
 @dataclass(frozen=True)
@@ -278,8 +276,7 @@ def simulate(deployment: Deployment, steps: dict[str, StepModel], limits: dict[s
     return requests
 
 
-def poisson_requests(rate: float, count: int, prompt: Callable[[np.random.Generator], int],
-                     output: Callable[[np.random.Generator], int], seed: int = 0) -> list[SimRequest]:
-    rng = np.random.default_rng(seed)
+def poisson_requests(rate: float, count: int, prompts: list[int], outputs: list[int], rng: np.random.Generator) -> list[SimRequest]:
+    """`count` requests arriving as a Poisson process of `rate`, the first at 0, with the given lengths."""
     arrivals = np.cumsum(rng.exponential(1.0 / rate, count)) - 1.0 / rate
-    return [SimRequest(float(t), prompt(rng), output(rng)) for t in arrivals]
+    return [SimRequest(float(t), p, o) for t, p, o in zip(arrivals, prompts, outputs)]

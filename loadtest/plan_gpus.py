@@ -1,0 +1,109 @@
+"""`python -m loadtest plan` for a TensorRT-LLM spec: how to split its GPUs, from roofline step times.
+
+    python -m loadtest plan --config configs/h200x8-intra-node.yaml --workload long-prompt-gpu \\
+        --model-config configs/models/Llama-3.1-8B-Instruct.json --gpu H200
+
+The GPU budget is the spec's (every role's TP x PP x instances); the engine limits are its roles'. Step times
+are estimated from the GPU's datasheet (disagg.planner.roofline), not measured: each figure printed is as
+good as those efficiencies. The model's shape comes from the checkpoint's config.json, or `--model-config`
+where the checkpoint is not at hand; the GPU from NVML, or `--gpu`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import yaml
+
+from disagg.placement.inventory import inventory
+from disagg.planner import roofline
+from disagg.planner.gpu_plan import GpuOption, gpu_plan, tp_sizes
+from disagg.planner.plan import Traffic
+from disagg.planner.simulate import Deployment, EngineLimits
+from disagg.placement.plan import DTYPE_BYTES
+from disagg.spec import DeploymentSpec, SpecError, check_against_model, model_config_for, parse_spec
+
+
+def load(a: argparse.Namespace) -> tuple[DeploymentSpec, dict]:
+    spec = parse_spec(yaml.safe_load(a.config.read_text()), source=a.config)
+    config = json.loads(a.model_config.read_text()) if a.model_config else model_config_for(spec)
+    check_against_model(spec, config)
+    for role in spec.roles.values():
+        if role.pp > 1:
+            raise SpecError(f"roles.{role.name}.pp", f"{role.pp}: the roofline planner models tensor parallelism only (pp: 1)")
+    return spec, config
+
+
+def accelerator(name: str | None) -> roofline.Accelerator:
+    if name is None:
+        found = inventory()
+        if found is None or not found.gpus:
+            raise SystemExit(f"error: --gpu: no GPU to read here; name one of {', '.join(roofline.ACCELERATORS)}")
+        name = next((key for key in roofline.ACCELERATORS if key in found.gpus[0].name), found.gpus[0].name)
+    if name not in roofline.ACCELERATORS:
+        raise SystemExit(f"error: --gpu: {name!r} has no datasheet figures here (known: {', '.join(roofline.ACCELERATORS)})")
+    return roofline.ACCELERATORS[name]
+
+
+def spec_option(spec: DeploymentSpec) -> tuple[Deployment, dict[str, int]]:
+    p, d = spec.roles["prefill"], spec.roles["decode"]
+    return Deployment(prefill=p.instances, decode=d.instances), {"prefill": p.tp, "decode": d.tp}
+
+
+def whole_nodes(spec: DeploymentSpec) -> int:
+    """GPUs per node where prefill and decode run on nodes of their own (pools), else 1."""
+    prefill = spec.roles["prefill"]
+    if prefill.node == spec.roles["decode"].node:
+        return 1
+    return sum(r.tp * r.pp * r.instances for r in spec.roles.values() if r.node == prefill.node)
+
+
+def _row(o: GpuOption) -> str:
+    p = o.at_rate
+    return (f"{str(o):<36} {o.limits.max_batch_size:>5} {o.limits.max_num_tokens:>6} | {o.bound:>7.1f} {o.goodput:>8.1f} | "
+            f"{p.ttft_p50_s * 1e3:>11.0f} {p.itl_p95_s * 1e3:>10.1f} {p.attainment:>10.0%}")
+
+
+def run(a: argparse.Namespace, traffic: Traffic) -> int:
+    spec, config = load(a)
+    gpu = accelerator(a.gpu)
+    model = roofline.ModelShape.of(config, DTYPE_BYTES[spec.model.dtype])
+    gpus = sum(r.tp * r.pp * r.instances for r in spec.roles.values())
+    limits = {name: EngineLimits(r.max_batch_size, r.max_num_tokens, r.enable_chunked_context, r.tokens_per_block)
+              for name, r in spec.roles.items()}
+    free = {name: r.kv_cache_free_gpu_mem_fraction for name, r in spec.roles.items()}
+    link = "NVLink" if spec.kv_transfer.nvlink else "one RDMA NIC per GPU"
+    node_gpus = whole_nodes(spec)
+    print(f"plan: {spec.name}: {gpus} x {gpu.name}, {model.weight_bytes / 1e9:.1f} GB of weights, KV handoff over {link}; "
+          f"step times from the datasheet (roofline estimate, not measured)", flush=True)
+    if node_gpus > 1:
+        print(f"plan: prefill and decode on nodes of their own: each role takes whole nodes of {node_gpus} GPUs")
+    for tp in tp_sizes(model, gpu, gpus, min(free.values())):
+        s = roofline.steps(model, tp, gpu)
+        print(f"plan: TP{tp} steps: decode at batch 1 / 64 / 256 with 4k-token contexts {s.decode_s(1, 4096) * 1e3:.1f} / "
+              f"{s.decode_s(64, 4096) * 1e3:.1f} / {s.decode_s(256, 4096) * 1e3:.1f} ms; a 4k-token prompt {s.prefill_s(4096) * 1e3:.0f} ms")
+    mine = spec_option(spec)
+    plan = gpu_plan(model, gpu, gpus, limits, free, traffic, spec.kv_transfer.nvlink, node_gpus, keep=mine)
+    print(f"{'deployment':<36} {'batch':>5} {'tokens':>6} | {'bound':>7} {'goodput':>8} | "
+          f"at {traffic.rate:g} req/s: {'p50 TTFT ms':>11} {'p95 ITL ms':>10} {'attainment':>10}")
+    for o in plan.options:
+        print(_row(o))
+    if plan.pruned:
+        print(f"plan: {plan.pruned} more options not simulated: their throughput bound (req/s) is below the best goodput")
+    best = plan.options[0]
+    own = max((o for o in plan.options if (o.deployment, o.tp) == mine), key=lambda o: o.goodput, default=None)
+    agg = max((o for o in plan.options if o.deployment.aggregated), key=lambda o: o.goodput, default=None)
+    batch = f", decode batch limit {best.limits.max_batch_size}" if not best.deployment.aggregated else \
+        f", max_num_tokens {best.limits.max_num_tokens}"
+    print(f"plan: recommended {best}{batch}: {best.goodput:.1f} req/s within the SLOs ({best.goodput / gpus:.2f} per GPU)")
+    if own is not None:
+        print(f"plan: this spec's {own}: {own.goodput:.1f} req/s ({own.goodput / best.goodput:.0%} of the recommended)")
+    if agg is None:
+        print("plan: aggregated serving cannot match the recommended split: its throughput bound is below that goodput")
+    elif agg is not best:
+        ratio = f"{best.goodput / agg.goodput:.2f}x" if agg.goodput else "more than"
+        print(f"plan: best aggregated, {agg} with chunked prefill, max_num_tokens {agg.limits.max_num_tokens}: "
+              f"{agg.goodput:.1f} req/s; the recommended split gives {ratio} its goodput")
+    else:
+        print("plan: aggregated serving does at least as well as any split for this workload")
+    return 0
