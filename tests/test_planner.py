@@ -138,6 +138,12 @@ def test_goodput_grows_with_instances_and_options_come_best_first():
     assert best_split.deployment.prefill >= 2  # prompts of 1-1.5k tokens: prefill is the bottleneck
 
 
+def test_goodput_is_zero_where_no_rate_meets_the_slos():
+    planner = _planner()
+    impossible = Traffic(((1.0, 1000, 1500),), ((1.0, 64, 128),), 1.0, ttft_slo_s=1e-4, tpot_slo_s=0.15)
+    assert planner.goodput(Deployment(prefill=1, decode=1), impossible, 32) < 1e-3
+
+
 def test_profile_of_the_tiny_engine_fits_its_steps(cpu_tiny_project):
     model = profile_engine(cpu_tiny_project / "build" / "engines" / "aggregated", progress=False)
     # Sub-millisecond steps on a shared 2-core machine are noisy: only what no noise can turn around.

@@ -18,6 +18,7 @@ ATTAINMENT_TARGET = 0.9  # DistServe's goodput: the highest rate at which 90% of
 SIMULATED_REQUESTS = 300
 SIMULATED_SECONDS = 30.0  # at least this long a run of arrivals: at GPU rates 300 requests end before queues build
 GOODPUT_TOLERANCE = 0.02  # the bisection stops once the rate is known within this fraction
+MIN_GOODPUT = 1e-3  # requests/s: or within this, where no rate meets the SLOs
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class Planner:
         lo, hi = 0.0, max(traffic.rate, 0.05)
         while meets(hi) and hi < 1e4:
             lo, hi = hi, hi * 2
-        while hi - lo > GOODPUT_TOLERANCE * hi:
+        while hi - lo > max(GOODPUT_TOLERANCE * hi, MIN_GOODPUT):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if meets(mid) else (lo, mid)
         return lo
