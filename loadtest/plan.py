@@ -119,7 +119,7 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
         steps[decode_role] = steps[decode_role].scaled(decode=tpot)
         print(f"plan: calibration, {kind}: {len(samples)} requests one at a time served with {ttft:.2f}x the predicted TTFT "
               f"and {tpot:.2f}x the TPOT: {prompt_role} prompt steps x{ttft:.2f}, {decode_role} decode steps x{tpot:.2f}", flush=True)
-    return Planner(steps, planner.limits, planner.handoff_s, planner.hosts, planner.requests)
+    return Planner(steps, planner.limits, planner.handoff_s, planner.hosts, planner.requests, planner.seconds)
 
 
 def limits_of(spec: DeploymentSpec) -> dict[str, EngineLimits]:

@@ -6,7 +6,8 @@
 The GPU budget is the spec's (every role's TP x PP x instances); the engine limits are its roles'. Step times
 are estimated from the GPU's datasheet (disagg.planner.roofline), not measured: each figure printed is as
 good as those efficiencies. The model's shape comes from the checkpoint's config.json, or `--model-config`
-where the checkpoint is not at hand; the GPU from NVML, or `--gpu`.
+where the checkpoint is not at hand; the GPU from NVML, or `--gpu`. A spec with `pools` (replicas, a class of
+hardware per pool) is refused: plan each pool's hardware as a spec of its own.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import yaml
 
 from disagg.placement.inventory import inventory
 from disagg.planner import roofline
-from disagg.planner.gpu_plan import GpuOption, gpu_plan, tp_sizes
+from disagg.planner.gpu_plan import PRUNE_MARGIN, GpuOption, gpu_plan, tp_sizes
 from disagg.planner.plan import Traffic
 from disagg.planner.simulate import Deployment, EngineLimits
 from disagg.placement.plan import DTYPE_BYTES
@@ -26,6 +27,9 @@ from disagg.spec import DeploymentSpec, SpecError, check_against_model, model_co
 
 def load(a: argparse.Namespace) -> tuple[DeploymentSpec, dict]:
     spec = parse_spec(yaml.safe_load(a.config.read_text()), source=a.config)
+    if spec.pools:
+        raise SpecError("pools", "the roofline planner plans one kind of GPU for the spec's own devices; pools add replicas "
+                        "and hardware classes: plan each pool's hardware as a spec of its own, with roles.<role>.node")
     config = json.loads(a.model_config.read_text()) if a.model_config else model_config_for(spec)
     check_against_model(spec, config)
     for role in spec.roles.values():
@@ -34,12 +38,15 @@ def load(a: argparse.Namespace) -> tuple[DeploymentSpec, dict]:
     return spec, config
 
 
+NVML_NAMES = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100", "NVIDIA A100-SXM4-80GB": "A100"}
+
+
 def accelerator(name: str | None) -> roofline.Accelerator:
     if name is None:
         found = inventory()
         if found is None or not found.gpus:
             raise SystemExit(f"error: --gpu: no GPU to read here; name one of {', '.join(roofline.ACCELERATORS)}")
-        name = next((key for key in roofline.ACCELERATORS if key in found.gpus[0].name), found.gpus[0].name)
+        name = NVML_NAMES.get(found.gpus[0].name, found.gpus[0].name)
     if name not in roofline.ACCELERATORS:
         raise SystemExit(f"error: --gpu: {name!r} has no datasheet figures here (known: {', '.join(roofline.ACCELERATORS)})")
     return roofline.ACCELERATORS[name]
@@ -50,12 +57,13 @@ def spec_option(spec: DeploymentSpec) -> tuple[Deployment, dict[str, int]]:
     return Deployment(prefill=p.instances, decode=d.instances), {"prefill": p.tp, "decode": d.tp}
 
 
-def whole_nodes(spec: DeploymentSpec) -> int:
-    """GPUs per node where prefill and decode run on nodes of their own (pools), else 1."""
-    prefill = spec.roles["prefill"]
-    if prefill.node == spec.roles["decode"].node:
-        return 1
-    return sum(r.tp * r.pp * r.instances for r in spec.roles.values() if r.node == prefill.node)
+def whole_nodes(spec: DeploymentSpec) -> dict[str, int]:
+    """Per role, the GPUs of its node where prefill and decode run on nodes of their own (each then takes whole
+    nodes), else 1."""
+    if spec.roles["prefill"].node == spec.roles["decode"].node:
+        return {"prefill": 1, "decode": 1}
+    return {name: sum(r.tp * r.pp * r.instances for r in spec.roles.values() if r.node == role.node)
+            for name, role in spec.roles.items()}
 
 
 def _row(o: GpuOption) -> str:
@@ -76,8 +84,9 @@ def run(a: argparse.Namespace, traffic: Traffic) -> int:
     node_gpus = whole_nodes(spec)
     print(f"plan: {spec.name}: {gpus} x {gpu.name}, {model.weight_bytes / 1e9:.1f} GB of weights, KV handoff over {link}; "
           f"step times from the datasheet (roofline estimate, not measured)", flush=True)
-    if node_gpus > 1:
-        print(f"plan: prefill and decode on nodes of their own: each role takes whole nodes of {node_gpus} GPUs")
+    if max(node_gpus.values()) > 1:
+        print(f"plan: prefill and decode on nodes of their own: each role takes whole nodes "
+              f"({node_gpus['prefill']} GPUs for prefill, {node_gpus['decode']} for decode)")
     for tp in tp_sizes(model, gpu, gpus, min(free.values())):
         s = roofline.steps(model, tp, gpu)
         print(f"plan: TP{tp} steps: decode at batch 1 / 64 / 256 with 4k-token contexts {s.decode_s(1, 4096) * 1e3:.1f} / "
@@ -89,15 +98,18 @@ def run(a: argparse.Namespace, traffic: Traffic) -> int:
     for o in plan.options:
         print(_row(o))
     if plan.pruned:
-        print(f"plan: {plan.pruned} more options not simulated: their throughput bound (req/s) is below the best goodput")
+        print(f"plan: {plan.pruned} more options not simulated: their throughput bound (req/s) is over "
+              f"{PRUNE_MARGIN:.0%} below the best goodput")
     best = plan.options[0]
-    own = max((o for o in plan.options if (o.deployment, o.tp) == mine), key=lambda o: o.goodput, default=None)
+    # the spec's own batch limit: its max_batch_size, or what the KV pool holds of the longest requests
+    own = max((o for o in plan.options if (o.deployment, o.tp) == mine), key=lambda o: o.limits.max_batch_size, default=None)
     agg = max((o for o in plan.options if o.deployment.aggregated), key=lambda o: o.goodput, default=None)
     batch = f", decode batch limit {best.limits.max_batch_size}" if not best.deployment.aggregated else \
         f", max_num_tokens {best.limits.max_num_tokens}"
     print(f"plan: recommended {best}{batch}: {best.goodput:.1f} req/s within the SLOs ({best.goodput / gpus:.2f} per GPU)")
     if own is not None:
-        print(f"plan: this spec's {own}: {own.goodput:.1f} req/s ({own.goodput / best.goodput:.0%} of the recommended)")
+        print(f"plan: this spec's {own}, decode batch limit {own.limits.max_batch_size}: {own.goodput:.1f} req/s "
+              f"({own.goodput / best.goodput:.0%} of the recommended)")
     if agg is None:
         print("plan: aggregated serving cannot match the recommended split: its throughput bound is below that goodput")
     elif agg is not best:

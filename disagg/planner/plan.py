@@ -77,12 +77,13 @@ class Option:
 
 class Planner:
     """`hosts`: the CPU each kind of deployment ("aggregated", "disaggregated") runs on, with its front's cost
-    per token (None: engines alone, no front). `requests`: how many each simulated run sends."""
+    per token (None: engines alone, no front). `requests` and `seconds`: each simulated run sends as many requests
+    as arrive in that long at its rate, at least `requests`."""
 
     def __init__(self, steps: dict[str, StepModel], limits: dict[str, EngineLimits], handoff_s: Callable[[int], float],
-                 hosts: dict[str, Host] | None = None, requests: int = SIMULATED_REQUESTS):
+                 hosts: dict[str, Host] | None = None, requests: int = SIMULATED_REQUESTS, seconds: float = SIMULATED_SECONDS):
         self.steps, self.limits, self.handoff_s, self.hosts = steps, limits, handoff_s, hosts or {}
-        self.requests = requests
+        self.requests, self.seconds = requests, seconds
 
     def replay(self, deployment: Deployment, requests: list[SimRequest], decode_batch: int | None = None) -> list[SimRequest]:
         """Given requests (a measured run's, say) through the deployment, with decode's batch limit if given."""
@@ -92,7 +93,7 @@ class Planner:
         return simulate(deployment, self.steps, limits, requests, self.handoff_s, self.hosts.get(deployment.kind))
 
     def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None) -> list[SimRequest]:
-        count = max(self.requests, int(rate * SIMULATED_SECONDS))
+        count = max(self.requests, int(rate * self.seconds))
         return self.replay(deployment, traffic.requests(rate, count), decode_batch)
 
     def goodput(self, deployment: Deployment, traffic: Traffic, decode_batch: int | None = None) -> float:

@@ -5,8 +5,11 @@ An estimate, not a measurement: each rate below is a datasheet peak times an eff
 of a TP group reads its shard of the weights once and the KV its sequences attend to, computes 2 FLOPs per
 weight per new token and 4 x layers x heads x head_dim per attended (query, key) pair (QK^T and PV), all-
 reduces twice per layer across the group, and pays a fixed host cost (scheduling, sampling, launches). A
-step takes the longer of reading its weights and computing its matmuls: a decode step of a few sequences is
-bound by the weight reads, a prompt by the matmuls. Pipeline parallelism is not modelled.
+decode step takes the longer of reading its weights and computing its matmuls (a few sequences are bound by
+the reads); a step with prompt tokens pays both, since a line in its tokens has no "longer of" (a 2048-token
+chunk of Llama-3.1-8B comes out about 8% slow, a whole prompt of thousands about 2%). The LM head computes
+every decoding sequence's logits but only a prompt's last token's, as TensorRT-LLM does without
+gather_context_logits. Pipeline parallelism is not modelled.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ STEP_OVERHEAD_S = 0.5e-3  # the host's share of a step: scheduling, sampling, ke
 HANDOFF_LATENCY_S = 1e-3  # a KV transfer's setup
 HANDOFF_NVLINK_EFFICIENCY = 0.5  # of NVLink's peak through the cache transceiver
 NIC_BYTES_PER_S = 40e9  # one 400 Gb/s RDMA NIC per GPU, at 80%
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # up to the spec's largest max_batch_size
 
 
 @dataclass(frozen=True)
@@ -55,23 +58,31 @@ class ModelShape:
     intermediate: int
     vocab: int
     dtype_bytes: int
+    tied_embeddings: bool
 
     @classmethod
     def of(cls, config: dict, dtype_bytes: int) -> ModelShape:
         heads = config["num_attention_heads"]
         return cls(config["num_hidden_layers"], config["hidden_size"], heads, config.get("num_key_value_heads", heads),
                    config.get("head_dim") or config["hidden_size"] // heads, config["intermediate_size"],
-                   config["vocab_size"], dtype_bytes)
+                   config["vocab_size"], dtype_bytes, bool(config.get("tie_word_embeddings")))
+
+    @property
+    def layer_weights(self) -> int:
+        """Weights every new token multiplies in the layers: attention and MLP."""
+        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        return self.layers * (attention + 3 * self.hidden * self.intermediate)
 
     @property
     def matmul_weights(self) -> int:
-        """Weights every new token multiplies: attention, MLP and the LM head (the input embedding is a lookup)."""
-        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
-        return self.layers * (attention + 3 * self.hidden * self.intermediate) + self.vocab * self.hidden
+        """Weights a token whose logits are computed multiplies: the layers' and the LM head (the input
+        embedding is a lookup)."""
+        return self.layer_weights + self.vocab * self.hidden
 
     @property
     def weight_bytes(self) -> int:
-        return (self.matmul_weights + self.vocab * self.hidden) * self.dtype_bytes
+        embedding = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return (self.matmul_weights + embedding) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -88,6 +99,7 @@ def steps(model: ModelShape, tp: int, gpu: Accelerator) -> StepModel:
     gemm = gpu.dense_flops * GEMM_EFFICIENCY
     weights_s = model.matmul_weights * model.dtype_bytes / tp / hbm
     flops_s_per_token = 2 * model.matmul_weights / tp / gemm
+    head_s = 2 * model.vocab * model.hidden / tp / gemm  # one sequence's logits
     reduce_latency_s = 2 * model.layers * ALLREDUCE_LATENCY_S if tp > 1 else 0.0
     reduce_s_per_token = 2 * model.layers * 2 * (tp - 1) / tp * model.hidden * model.dtype_bytes / gpu.nvlink_bytes_per_s
     attended_s = (model.kv_bytes_per_token / tp / hbm
@@ -95,7 +107,7 @@ def steps(model: ModelShape, tp: int, gpu: Accelerator) -> StepModel:
     base = tuple(STEP_OVERHEAD_S + reduce_latency_s + max(weights_s, flops_s_per_token * b) + reduce_s_per_token * b
                  for b in DECODE_BATCHES)
     decode = DecodeTable(DECODE_BATCHES, base, (attended_s,) * len(DECODE_BATCHES))
-    prompt = Linear(STEP_OVERHEAD_S + reduce_latency_s + weights_s, flops_s_per_token + reduce_s_per_token,
+    prompt = Linear(STEP_OVERHEAD_S + reduce_latency_s + weights_s + head_s, flops_s_per_token - head_s + reduce_s_per_token,
                     model.attention_flops_per_pair / tp / (gpu.dense_flops * ATTENTION_EFFICIENCY))
     return StepModel(decode, prompt, fit_error=0.0)
 
@@ -107,8 +119,8 @@ def kv_capacity_tokens(model: ModelShape, tp: int, gpu: Accelerator, free_fracti
     return int(free_fraction * free * tp / model.kv_bytes_per_token) if free > 0 else 0
 
 
-def handoff(model: ModelShape, prefill_tp: int, gpu: Accelerator, nvlink: bool):
-    """Seconds to move a prompt's KV from a prefill group to a decode group: each prefill GPU sends its shard,
-    over NVLink inside a node or over one RDMA NIC per GPU across nodes."""
-    link = gpu.nvlink_bytes_per_s * HANDOFF_NVLINK_EFFICIENCY if nvlink else NIC_BYTES_PER_S
-    return lambda tokens: HANDOFF_LATENCY_S + tokens * model.kv_bytes_per_token / prefill_tp / link
+def handoff(model: ModelShape, prefill_tp: int, decode_tp: int, gpu: Accelerator, nvlink: bool):
+    """Seconds to move a prompt's KV from a prefill group to a decode group, over NVLink inside a node or over
+    one RDMA NIC per GPU across nodes, as many links at once as the narrower group has GPUs."""
+    link = (gpu.nvlink_bytes_per_s * HANDOFF_NVLINK_EFFICIENCY if nvlink else NIC_BYTES_PER_S) * min(prefill_tp, decode_tp)
+    return lambda tokens: HANDOFF_LATENCY_S + tokens * model.kv_bytes_per_token / link
