@@ -659,8 +659,9 @@ def model_config_for(spec: DeploymentSpec) -> dict:
     return PRESETS[spec.model.generate_preset].hf_config()
 
 
-def load_spec(path: str | Path) -> DeploymentSpec:
-    """Reads, schema-checks and model-checks a spec file. Raises SpecError on the first problem."""
+def load_spec(path: str | Path, model_config: dict | None = None) -> DeploymentSpec:
+    """Reads, schema-checks and model-checks a spec file (against `model_config`, a config.json's content, where
+    given: a checkpoint not at hand). Raises SpecError on the first problem."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -669,5 +670,5 @@ def load_spec(path: str | Path) -> DeploymentSpec:
     except OSError as exc:
         raise SpecError("", f"cannot read {path}: {exc.strerror}") from exc
     spec = parse_spec(raw, source=path)
-    check_against_model(spec, model_config_for(spec))
+    check_against_model(spec, model_config or model_config_for(spec))
     return spec

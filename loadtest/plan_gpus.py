@@ -14,24 +14,22 @@ from __future__ import annotations
 import argparse
 import json
 
-import yaml
-
 from disagg.placement.inventory import inventory
+from disagg.placement.plan import DTYPE_BYTES
 from disagg.planner import roofline
 from disagg.planner.gpu_plan import PRUNE_MARGIN, GpuOption, gpu_plan, tp_sizes
 from disagg.planner.plan import Traffic
 from disagg.planner.simulate import Deployment, EngineLimits
-from disagg.placement.plan import DTYPE_BYTES
-from disagg.spec import DeploymentSpec, SpecError, check_against_model, model_config_for, parse_spec
+from disagg.spec import DeploymentSpec, SpecError, load_spec, model_config_for
 
 
 def load(a: argparse.Namespace) -> tuple[DeploymentSpec, dict]:
-    spec = parse_spec(yaml.safe_load(a.config.read_text()), source=a.config)
+    given = json.loads(a.model_config.read_text()) if a.model_config else None
+    spec = load_spec(a.config, given)
     if spec.pools:
         raise SpecError("pools", "the roofline planner plans one kind of GPU for the spec's own devices; pools add replicas "
                         "and hardware classes: plan each pool's hardware as a spec of its own, with roles.<role>.node")
-    config = json.loads(a.model_config.read_text()) if a.model_config else model_config_for(spec)
-    check_against_model(spec, config)
+    config = given or model_config_for(spec)
     for role in spec.roles.values():
         if role.pp > 1:
             raise SpecError(f"roles.{role.name}.pp", f"{role.pp}: the roofline planner models tensor parallelism only (pp: 1)")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from tqdm import tqdm
 
 from disagg.planner import roofline
-from disagg.planner.plan import SIMULATED_REQUESTS, Planner, Prediction, Traffic, predict
+from disagg.planner.plan import SIMULATED_REQUESTS, Planner, Prediction, Traffic, best_first, predict
 from disagg.planner.roofline import Accelerator, ModelShape
 from disagg.planner.simulate import Deployment, EngineLimits
 
@@ -151,7 +151,5 @@ def gpu_plan(model: ModelShape, gpu: Accelerator, gpus: int, limits: dict[str, E
             continue
         found.append(GpuOption(c.deployment, c.tp, c.limits, c.bound, c.planner.goodput(c.deployment, traffic),
                                predict(c.planner.run(c.deployment, traffic, traffic.rate), traffic)))
-    best = max(o.goodput for o in found) or 1.0
-    # Most goodput first; among equals (within 2%) the smaller batch limit, whose steps are shorter.
-    ranked = sorted(found, key=lambda o: (-round(o.goodput / best * 50), o.limits.max_batch_size, o.limits.max_num_tokens))
+    ranked = best_first(found, lambda o: (o.limits.max_batch_size, o.limits.max_num_tokens))
     return GpuPlan(tuple(ranked), len(candidates) - len(found))

@@ -75,6 +75,13 @@ class Option:
         return self.goodput / self.deployment.instances
 
 
+def best_first(options: list, shorter_steps: Callable) -> list:
+    """Options (each with a `goodput`) most goodput first; among equals (within 2%) by `shorter_steps(option)`,
+    smallest first: the smaller batch limit, whose steps are shorter."""
+    best = max(o.goodput for o in options) or 1.0
+    return sorted(options, key=lambda o: (-round(o.goodput / best * 50), shorter_steps(o)))
+
+
 class Planner:
     """`hosts`: the CPU each kind of deployment ("aggregated", "disaggregated") runs on, with its front's cost
     per token (None: engines alone, no front). `requests` and `seconds`: each simulated run sends as many requests
@@ -121,6 +128,4 @@ class Planner:
         if "aggregated" in self.steps:
             d = Deployment(aggregated=instances)
             found.append(Option(d, None, self.goodput(d, traffic), predict(self.run(d, traffic, traffic.rate), traffic)))
-        # Most goodput first; among equals (within 2%) the smaller decode batch, whose steps are shorter.
-        best = max(o.goodput for o in found) or 1.0
-        return sorted(found, key=lambda o: (-round(o.goodput / best * 50), o.decode_batch or 0))
+        return best_first(found, lambda o: o.decode_batch or 0)
