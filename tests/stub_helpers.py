@@ -45,8 +45,9 @@ PB_UTILS.get_input_tensor_by_name = lambda request, name: request.inputs.get(nam
 
 @contextlib.contextmanager
 def imported_with_stub(module: str):
-    """`module` (and disagg.triton.metrics, which it imports) imported against PB_UTILS; removed afterwards."""
-    names = (module, "disagg.triton.metrics")
+    """`module` (and disagg.triton.metrics and .responses, which it may import) imported against PB_UTILS;
+    removed afterwards."""
+    names = (module, "disagg.triton.metrics", "disagg.triton.responses")
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "triton_python_backend_utils", PB_UTILS)
         for name in names:

@@ -29,7 +29,7 @@ from disagg.engine.engine import ContextPhase, LLMEngine, Request, RequestError,
 from disagg.engine.kv_store import KVStore
 from disagg.engine.loop import EngineLoop
 from disagg.engine.no_compute import SKIP_COMPUTE_ENV, skip_compute
-from disagg.triton import credential, kv_index, load_board
+from disagg.triton import credential, kv_index, load_board, responses
 from disagg.triton.cancel_board import Throttle
 from disagg.triton.contract import CONTEXT_PARAMS_MISSING
 from disagg.triton.metrics import BackendMetrics, EngineMetrics
@@ -95,7 +95,7 @@ class Stream:
             self.tokens += tokens
             if not final:
                 if self.call.streaming and tokens:
-                    self.sender.send(pb_utils.InferenceResponse(output_tensors=_ids(tokens)))
+                    responses.send(self.sender, _ids(tokens))
                 return
             self.closed = True
             outputs = _ids(tokens if self.call.streaming else self.tokens) + list(extra or [])
@@ -103,7 +103,7 @@ class Stream:
                 now = time.time_ns()
                 for name, value in (("arrival_time_ns", self.arrival_ns), ("first_token_time_ns", self.first_token_ns), ("last_token_time_ns", now)):
                     outputs.append(_tensor(name, np.asarray([[value]], dtype=np.int64)))
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL)
+            responses.send(self.sender, outputs, FINAL)
 
     def fail(self, message: str) -> None:
         with self._lock:

@@ -52,7 +52,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg.engine.kv_cache import block_hashes
-from disagg.triton import cancel_board, credential, kv_index, load_board, replicas, sla
+from disagg.triton import cancel_board, credential, kv_index, load_board, replicas, responses, sla
 from disagg.triton.contract import (
     CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
     rename_inputs,
@@ -250,8 +250,7 @@ class ClientStream:
         ids = self.tokens[prefix:]
         arrays = self._outputs(ids, start - prefix, final)
         with STUB_LOCK:
-            outputs = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=FINAL if final else 0)
+            responses.send(self.sender, [pb_utils.Tensor(name, array) for name, array in arrays.items()], FINAL if final else 0)
         self.sent = len(self.tokens)
 
     def _outputs(self, ids: list[int], prefix_length: int, final: bool) -> dict[str, np.ndarray]:
