@@ -344,6 +344,8 @@ class TritonPythonModel:
     def finalize(self):
         self._closed.set()
         self._refresher.join(timeout=5)  # a publish already under way would recreate the entry withdrawn here
+        self.metrics.release()
+        self.backend_metrics.release()
         load_board.withdraw(self.board_key, self.name, self.instance)
         kv_index.withdraw(self.board_key, self.name, self.instance)
         self.pulls.shutdown(wait=False, cancel_futures=True)

@@ -6,7 +6,10 @@ Every series carries `role` and `instance` labels, so a user sees which side is 
     disagg_kv_handoff_bytes_total / _seconds_total / _count_total / _reclaimed_total   counters
     disagg_ttft_seconds                                   histogram, as the orchestrator sees it
     disagg_engine_restarts                                gauge: reloads after an instance died (watchdog)
-The families are kept on the object: a Metric dies with its MetricFamily. Updates hold STUB_LOCK:
+The families are kept on the object: a Metric dies with its MetricFamily. A model releases them in its
+finalize (`release`): a Metric still held when the stub shuts down is destroyed after the backend's shared
+memory is gone, and Triton 2.51's stub segfaults on its way out (in `Metric::SaveToSharedMemory`; dmesg:
+`triton_python_backend_stub ... segfault at 60`) at every stop. Updates hold STUB_LOCK:
 concurrent calls into the stub from many request threads crash Triton 2.51's python backend (a
 segfault in libtriton_python.so, seen with 8+ concurrent orchestrated streams). Each update is an IPC
 round trip to the server; the orchestrator's go through an `Updater`, so none is on a request's path.
@@ -70,11 +73,17 @@ class _Metric:
         self._metric, self._updater = metric, updater
 
     def _update(self, op: str, value: float) -> None:
+        metric = self._metric
+        if metric is None:  # released: the model is finalizing
+            return
         if self._updater is not None:
-            self._updater.put(self._metric, op, value)
+            self._updater.put(metric, op, value)
         else:
             with STUB_LOCK:
-                getattr(self._metric, op)(value)
+                getattr(metric, op)(value)
+
+    def release(self) -> None:
+        self._metric = None
 
     def set(self, value: float) -> None:
         self._update("set", value)
@@ -115,6 +124,13 @@ class Metrics:
     def histogram(self, name: str, description: str, buckets: list[float], labels: dict[str, str] | None = None):
         return self._get(name, description, pb_utils.MetricFamily.HISTOGRAM, labels, buckets=buckets)
 
+    def release(self) -> None:
+        """Drops every series, then every family (the order the Python backend asks for), in finalize."""
+        for metric in self._metrics.values():
+            metric.release()
+        self._metrics.clear()
+        self._families.clear()
+
 
 class BackendMetrics:
     """The tensorrtllm backend's own gauges, under its names and labels (inflight_batcher_llm/src/
@@ -134,6 +150,12 @@ class BackendMetrics:
         self._families = (requests, blocks)  # a Metric dies with its family
         self.requests = {t: _Metric(requests.Metric(labels={**labels, "request_type": t})) for t in self.REQUEST_TYPES}
         self.blocks = {t: _Metric(blocks.Metric(labels={**labels, "kv_cache_block_type": t})) for t in self.BLOCK_TYPES}
+
+    def release(self) -> None:
+        """As Metrics.release."""
+        for metric in (*self.requests.values(), *self.blocks.values()):
+            metric.release()
+        self._families = ()
 
     def update(self, load, tokens_per_block: int) -> None:
         """From a load_board.Load summed over the model's live instances."""

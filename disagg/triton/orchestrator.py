@@ -788,6 +788,7 @@ class TritonPythonModel:
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.closer.shutdown(wait=False)
         self.metrics.updater.close()
+        self.metrics.release()
         for pool in self.pools.values():
             pool.close()
         with self._lock:
