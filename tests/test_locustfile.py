@@ -68,10 +68,13 @@ def server(cpu_tiny_project, start_triton):
 def test_samples_path_never_defaults_to_the_working_directory(tmp_path):
     assert samples_path("given.jsonl", "results/run") == Path("given.jsonl")
     assert samples_path(None, "results/run") == Path("results/run.samples.jsonl")  # beside --json-file/--csv
-    default = samples_path(None)
-    assert default.name == "samples.jsonl" and default.parent.is_dir() and not default.exists()
-    assert default.parent != Path.cwd() and default.parent != samples_path(None).parent  # a new directory each run
-    default.parent.rmdir()
+    default, another = samples_path(None), samples_path(None)
+    try:
+        assert default.name == "samples.jsonl" and default.parent.is_dir() and not default.exists()
+        assert default.parent != Path.cwd() and default.parent != another.parent  # a new directory each run
+    finally:
+        default.parent.rmdir()
+        another.parent.rmdir()
 
 
 def run_locust(server, project: Path, out: Path | None, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -10,6 +10,12 @@ when no process maps it, and either it appeared while this server ran (`since`: 
 started) or it is older than REGION_GRACE_S (a region being created is not mapped yet), so another
 server's live regions are never touched.
 
+The Python backend also makes an empty `/tmp/python_env_XXXXXX` per server (for conda-packed execution
+environments, which these repositories do not use) and removes it only in an orderly shutdown: a server
+killed, or one that exits on its exit timeout, leaves it. Which server made one is not recorded, and a
+server whose directory is gone aborts at its shutdown (its EnvironmentManager's destructor throws), so
+`sweep_python_envs` removes them only while no tritonserver runs at all.
+
 Python backend stubs can outlive their server too: a server that exits on its exit timeout does not wait
 for them, and they ignore SIGTERM. `end_orphan_stubs` ends those of a repository (adopted by init) before
 a server of it starts, and with them their mappings.
@@ -24,6 +30,8 @@ from pathlib import Path
 SHM = Path("/dev/shm")
 _BACKEND_REGION = "triton_python_backend_shm_region_"
 REGION_GRACE_S = 10.0
+TMP = Path("/tmp")
+_PYTHON_ENV = "python_env_"
 
 
 def mapped_names(shm_dir: Path = SHM) -> set[str]:
@@ -82,6 +90,34 @@ def sweep(key: str, shm_dir: Path = SHM, since: set[str] | None = None, settle_s
             return removed
         time.sleep(0.1)
 
+
+def servers_running() -> bool:
+    """Whether a tritonserver process runs on this machine (among those this user can see)."""
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == "tritonserver":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def sweep_python_envs(tmp_dir: Path = TMP, grace_s: float = REGION_GRACE_S) -> list[str]:
+    """Removes the backend's empty environment directories of servers gone (see the module's docstring):
+    only while no tritonserver runs, only this user's, only those older than `grace_s` (one being made
+    belongs to a server starting). Returns the names removed."""
+    if servers_running():
+        return []
+    removed, now = [], time.time()
+    for path in tmp_dir.glob(f"{_PYTHON_ENV}*"):
+        try:
+            info = path.stat()
+            if info.st_uid == os.getuid() and now - info.st_mtime > grace_s:
+                path.rmdir()  # refuses a directory that is not empty
+                removed.append(path.name)
+        except OSError:
+            continue
+    return removed
 
 
 def end_orphan_stubs(model_repository: Path) -> list[int]:

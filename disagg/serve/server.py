@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from pathlib import Path
 
-from disagg.serve.leftovers import end_orphan_stubs, sweep
+from disagg.serve.leftovers import end_orphan_stubs, sweep, sweep_python_envs
 from disagg.serve.leftovers import names as shm_names
 from disagg.triton.contract import ENGINE_URL_ENV
 from disagg.triton.credential import internal_key
@@ -378,6 +378,7 @@ class TritonServer:
                     os.killpg(self.process.pid, 0)
                     time.sleep(0.05)
             sweep(self.board_key, since=self._shm_before, regions_only=not self.sweeps_deployment)
+            sweep_python_envs()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
