@@ -112,3 +112,28 @@ def test_a_dead_instance_of_a_model_its_server_is_loading_afresh_is_left_to_the_
     finally:
         dog.stop()
     assert client.calls == [] and lines == []
+
+
+def test_a_dead_entry_replaced_by_a_new_instance_before_its_model_is_ready_is_left_alone(board):
+    """A restarted server's instance publishes its pid in its initialize, before Triton calls the model ready;
+    a poll that read the dead pid just before must not reload the new instance."""
+    dead = board("decode")
+    dead.kill()
+    dead.wait()
+
+    class Restarted(RecordingClient):
+        replacement = None
+
+        def is_model_ready(self, model: str) -> bool:
+            if self.replacement is None:
+                self.replacement = board(model)  # the new instance, published as its server becomes ready
+            return super().is_model_ready(model)
+
+    client, lines = Restarted(), []
+    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append).start()
+    try:
+        assert _until(lambda: client.replacement is not None, 5)
+        time.sleep(4 * watchdog.POLL_S)
+    finally:
+        dog.stop()
+    assert client.calls == [] and lines == []

@@ -91,6 +91,10 @@ class Watchdog:
             pass
         del self._stopped_since[entry.load.pid]
 
+    def _still_dead(self, entry: load_board.Entry) -> bool:
+        """Whether the board still names `entry`'s dead process for its instance."""
+        return any(e.instance == entry.instance and e.load.pid == entry.load.pid for e in load_board.entries(self.key, entry.model))
+
     def _heal(self, entry: load_board.Entry) -> None:
         h = self.history.setdefault(entry.model, _History())
         if entry.load.pid in h.dead_pids:
@@ -103,6 +107,8 @@ class Watchdog:
                 return
         except Exception:  # noqa: BLE001 - the server itself is down
             return
+        if not self._still_dead(entry):
+            return  # a restarted server's new instance replaced the entry since the poll read it
         now = time.monotonic()
         h.backoff_s = 0.0 if now - h.last > STABLE_S or not h.restarts else min(MAX_BACKOFF_S, max(1.0, 2 * h.backoff_s))
         wait = h.last + h.backoff_s - now

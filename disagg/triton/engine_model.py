@@ -168,6 +168,9 @@ class TritonPythonModel:
         self._pulling = 0  # generation requests claiming their KV, not yet in the engine: load all the same
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        # On the board before Triton calls the model ready: a watchdog that finds a restarted server ready
+        # must not see a killed predecessor's pid under this instance's name and reload the new instance.
+        self._publish_load(self.loop.stats())
         self._refresher = threading.Thread(target=self._refresh_metrics, name="metrics", daemon=True)
         self._refresher.start()
 
@@ -331,15 +334,18 @@ class TritonPythonModel:
             if store is not None and store_check.due():  # a directory scan: once a second
                 self.metrics.store_bytes.set(store.nbytes())
                 self.metrics.store_evictions.set(store.evicted)
-            with self._lock:
-                pulling = self._pulling
-            load_board.publish(self.board_key, self.name, self.instance, stats.in_flight + pulling, stats.blocks_total - stats.blocks_used,
-                               scheduled=stats.running, in_context=stats.in_context, active=stats.running + pulling,
-                               held=stats.held, blocks_total=stats.blocks_total,
-                               max_batch_size=self.loop.engine.config.build.max_batch_size)
+            self._publish_load(stats)
             load = load_board.model_load(self.board_key, self.name)  # every instance of the model, this one included
             if load is not None:
                 self.backend_metrics.update(load, tpb)
+
+    def _publish_load(self, stats) -> None:
+        with self._lock:
+            pulling = self._pulling
+        load_board.publish(self.board_key, self.name, self.instance, stats.in_flight + pulling, stats.blocks_total - stats.blocks_used,
+                           scheduled=stats.running, in_context=stats.in_context, active=stats.running + pulling,
+                           held=stats.held, blocks_total=stats.blocks_total,
+                           max_batch_size=self.loop.engine.config.build.max_batch_size)
 
     def finalize(self):
         self._closed.set()
