@@ -45,13 +45,20 @@ class Served:
         return f"127.0.0.1:{self.grpc}"
 
     def load(self, model: str):
-        return parse_loads(scrape(f"http://127.0.0.1:{self.metrics}/metrics", 2.0)).get(model)
+        return parse_loads(self._scrape()).get(model)
 
     def inferences(self, model: str) -> int:
         """Requests the model has completed here (Triton's nv_inference_count, as one scrape shows it)."""
-        text = scrape(f"http://127.0.0.1:{self.metrics}/metrics", 2.0)
+        text = self._scrape()
         prefix = f'nv_inference_count{{model="{model}",version="1"}} '
         return next((int(float(line[len(prefix):])) for line in text.splitlines() if line.startswith(prefix)), 0)
+
+    def _scrape(self) -> str:
+        """Triton's metrics page; a server not answering fails with what its process last printed."""
+        try:
+            return scrape(f"http://127.0.0.1:{self.metrics}/metrics", 2.0)
+        except OSError as exc:
+            raise RuntimeError(f"{self.name}: metrics on port {self.metrics}: {exc}\n" + "".join(self.lines[-60:])) from exc
 
     def stop(self, timeout_s: float = 60) -> int:
         if self.proc.poll() is None:
