@@ -197,6 +197,9 @@ def test_free_ports_are_distinct_and_outside_the_ephemeral_range():
     ports = free_ports(8)
     assert len(set(ports)) == 8 and not any(p in _ephemeral_range() for p in ports)
     assert free_ports(0) == []
+    left = set(free_ports(2))
+    promised = set(range(10000, 65536)) - set(_ephemeral_range()) - left  # all but two: those are what is left
+    assert set(free_ports(2, exclude=promised)) == left
 
 
 def _deployment(repo: Path, *flags: str):

@@ -140,8 +140,11 @@ class Servers:
             )
 
         self.engines: dict[str, Supervised] = {}
+        # In one call, and clear of the main server's and the API's ports: none listens yet, so a port picked
+        # for one server looks free to the next pick (a server that lost its port to another failed to start).
+        picked = iter(free_ports(3 * len(engines), exclude=(args.http_port, args.grpc_port, args.metrics_port, args.openai_port)))
         for name in engines:
-            ports = tuple(free_ports(3))
+            ports = (next(picked), next(picked), next(picked))
             self.engines[name] = Supervised(f"tritonserver of {name}", server(name, ports, [name], {}, "127.0.0.1", []), signalled)
         urls = ",".join(f"{name}={sup.server.grpc_url}" for name, sup in self.engines.items())
         served = only or _models(self.repository)

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pathlib import Path
@@ -59,14 +60,15 @@ def _ephemeral_range() -> range:
     return range(low, high + 1)
 
 
-def free_ports(count: int) -> list[int]:
+def free_ports(count: int, exclude: Iterable[int] = ()) -> list[int]:
     """`count` distinct free TCP ports on loopback, outside the ephemeral range: a port the kernel hands
     out for outgoing connections can be taken by one (the server's own gRPC clients connect while it
-    starts) before the server listens on it, and Triton then runs without that endpoint."""
+    starts) before the server listens on it, and Triton then runs without that endpoint. `exclude`: ports
+    promised to servers not yet listening, which look free too."""
     if count == 0:
         return []
-    ephemeral = _ephemeral_range()
-    candidates = [p for p in range(10000, 65536) if p not in ephemeral]
+    ephemeral, taken = _ephemeral_range(), set(exclude)
+    candidates = [p for p in range(10000, 65536) if p not in ephemeral and p not in taken]
     picked: list[int] = []
     for port in random.sample(candidates, len(candidates)):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
