@@ -1,4 +1,4 @@
-"""What a killed server leaves in shared memory, found and removed.
+"""What a killed server or its killed starter leaves behind (in shared memory, in /tmp), found and removed.
 
 A server stopped in order removes its own objects (engine models withdraw their load-board entries and
 unlink their KV pools, the Python backend its regions). One that crashed, or was killed with its stubs,
@@ -16,6 +16,11 @@ killed, or one that exits on its exit timeout, leaves it. Which server made one 
 server whose directory is gone aborts at its shutdown (its EnvironmentManager's destructor throws), so
 `sweep_python_envs` removes them only while no tritonserver runs at all.
 
+A server's work directory (`/tmp/disagg-tritonserver-*`, its backend directory of links) is removed by
+the process that started it, at the server's stop; one killed first leaves it. `sweep_workdirs` removes
+those that no running process names on its command line (a server's `--backend-directory`, its stubs'
+path), once they are a minute old.
+
 Python backend stubs can outlive their server too: a server that exits on its exit timeout does not wait
 for them, and they ignore SIGTERM. `end_orphan_stubs` ends those of a repository (adopted by init) before
 a server of it starts, and with them their mappings.
@@ -23,6 +28,7 @@ a server of it starts, and with them their mappings.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -32,6 +38,8 @@ _BACKEND_REGION = "triton_python_backend_shm_region_"
 REGION_GRACE_S = 10.0
 TMP = Path("/tmp")
 _PYTHON_ENV = "python_env_"
+_WORKDIR = "disagg-tritonserver-"
+WORKDIR_GRACE_S = 60.0
 
 
 def mapped_names(shm_dir: Path = SHM) -> set[str]:
@@ -117,6 +125,37 @@ def sweep_python_envs(tmp_dir: Path = TMP, grace_s: float = REGION_GRACE_S) -> l
                 removed.append(path.name)
         except OSError:
             continue
+    return removed
+
+
+def command_lines() -> str:
+    """Every running process's command line, joined (those this user can read)."""
+    lines = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            lines.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return "\n".join(lines)
+
+
+def sweep_workdirs(tmp_dir: Path = TMP, grace_s: float = WORKDIR_GRACE_S, in_use: str | None = None) -> list[str]:
+    """Removes server work directories whose starter was killed (see the module's docstring): those older
+    than `grace_s` (one being made belongs to a server starting) that no command line in `in_use` (default:
+    the running processes') names. Returns the names removed."""
+    removed, now = [], time.time()
+    for path in tmp_dir.glob(f"{_WORKDIR}*"):
+        try:
+            old = now - path.stat().st_mtime > grace_s
+        except OSError:
+            continue
+        if not old:
+            continue
+        if in_use is None:
+            in_use = command_lines()
+        if f"{path}/" not in in_use:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
     return removed
 
 

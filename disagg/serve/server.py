@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from pathlib import Path
 
-from disagg.serve.leftovers import end_orphan_stubs, sweep, sweep_python_envs
+from disagg.serve.leftovers import end_orphan_stubs, sweep, sweep_python_envs, sweep_workdirs
 from disagg.serve.leftovers import names as shm_names
 from disagg.triton.contract import ENGINE_URL_ENV
 from disagg.triton.credential import internal_key
@@ -277,6 +277,7 @@ class TritonServer:
         if self.sweeps_deployment:
             sweep(self.board_key)  # what a killed server of this deployment left behind
         self._shm_before = shm_names()
+        sweep_workdirs()  # of servers whose starter was killed
         self._workdir = Path(tempfile.mkdtemp(prefix="disagg-tritonserver-"))
         self.install = find_install(self._workdir)
         env = dict(os.environ, **self.install.env)
