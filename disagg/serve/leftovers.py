@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -42,15 +43,20 @@ _WORKDIR = "disagg-tritonserver-"
 WORKDIR_GRACE_S = 60.0
 
 
+def _of_every_process(name: str) -> Iterator[str]:
+    """/proc/<pid>/<name> of every process, as text; skipped where it exited meanwhile or is not ours to read."""
+    for path in Path("/proc").glob(f"[0-9]*/{name}"):
+        try:
+            yield path.read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+
+
 def mapped_names(shm_dir: Path = SHM) -> set[str]:
     """Names of the files in `shm_dir` that some process has mapped (from /proc/*/maps)."""
     prefix = f"{shm_dir}/"
     names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue  # exited meanwhile, or not ours to read
+    for text in _of_every_process("maps"):
         for line in text.splitlines():
             at = line.find(prefix)
             if at >= 0:
@@ -101,13 +107,7 @@ def sweep(key: str, shm_dir: Path = SHM, since: set[str] | None = None, settle_s
 
 def servers_running() -> bool:
     """Whether a tritonserver process runs on this machine (among those this user can see)."""
-    for comm in Path("/proc").glob("[0-9]*/comm"):
-        try:
-            if comm.read_text().strip() == "tritonserver":
-                return True
-        except OSError:
-            continue
-    return False
+    return any(comm.strip() == "tritonserver" for comm in _of_every_process("comm"))
 
 
 def sweep_python_envs(tmp_dir: Path = TMP, grace_s: float = REGION_GRACE_S) -> list[str]:
@@ -130,13 +130,7 @@ def sweep_python_envs(tmp_dir: Path = TMP, grace_s: float = REGION_GRACE_S) -> l
 
 def command_lines() -> str:
     """Every running process's command line, joined (those this user can read)."""
-    lines = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            lines.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except OSError:
-            continue
-    return "\n".join(lines)
+    return "\n".join(cmdline.replace("\0", " ") for cmdline in _of_every_process("cmdline"))
 
 
 def sweep_workdirs(tmp_dir: Path = TMP, grace_s: float = WORKDIR_GRACE_S, in_use: str | None = None) -> list[str]:
