@@ -27,6 +27,7 @@ a server of it starts, and with them their mappings.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -151,6 +152,22 @@ def sweep_workdirs(tmp_dir: Path = TMP, grace_s: float = WORKDIR_GRACE_S, in_use
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
+
+
+def end_server(pid: int, key: str, since: set[str] | None, regions_only: bool, workdir: Path | None) -> None:
+    """SIGKILLs server `pid`'s whole process group (its stubs outlive a server that crashed or was killed),
+    waits up to 5 s for the group to be gone (a dying stub still maps its region), then removes what the
+    server left: its shared memory (`sweep`), the backend's environment directories, its work directory."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            os.killpg(pid, 0)
+            time.sleep(0.05)
+    sweep(key, since=since, regions_only=regions_only)
+    sweep_python_envs()
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def end_orphan_stubs(model_repository: Path) -> list[int]:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from pathlib import Path
 
-from disagg.serve.leftovers import end_orphan_stubs, sweep, sweep_python_envs, sweep_workdirs
+from disagg.serve.guard import Orders
+from disagg.serve.leftovers import end_orphan_stubs, end_server, sweep, sweep_workdirs
 from disagg.serve.leftovers import names as shm_names
 from disagg.triton.contract import ENGINE_URL_ENV
 from disagg.triton.credential import internal_key
@@ -178,9 +179,12 @@ class TritonServer:
     the Python backend starts and ends one extra stub process per model load (python_be.cc,
     `TRITONBACKEND_ModelInitialize`), which made the CPU default start in 5 s instead of 2 and an engine
     reload take 3 s instead of 0.7. Turn it on for repositories holding models of your own that rely on
-    it. The server gets SIGTERM if the thread that started it dies. Use as a context manager (start,
-    wait until ready, stop on exit) or call start/wait_ready/stop.
+    it. The server gets SIGTERM if the thread that started it dies, and its guard (disagg.serve.guard) ends
+    it if that process dies and the server has not exited `exit_timeout_s + stop_grace_s` seconds later.
+    Use as a context manager (start, wait until ready, stop on exit) or call start/wait_ready/stop.
     """
+
+    stop_grace_s = 10.0  # past the exit timeout, before a server told to stop is killed
 
     def __init__(
         self,
@@ -219,6 +223,7 @@ class TritonServer:
         self.install: ServerInstall | None = None
         self._workdir: Path | None = None
         self._shm_before: set[str] | None = None  # /dev/shm's names before the server started
+        self._guard: subprocess.Popen | None = None
 
     @property
     def board_key(self) -> str:
@@ -298,9 +303,18 @@ class TritonServer:
         finally:
             if out not in (None, subprocess.PIPE):
                 out.close()
+        self._start_guard()
         if out is subprocess.PIPE:
             threading.Thread(target=self._relay_output, name=f"output-{self.label}", daemon=True).start()
         return self
+
+    def _start_guard(self) -> None:
+        """The server's guard (disagg.serve.guard), which ends it if this process dies and it does not stop."""
+        orders = Orders(os.getpid(), self.process.pid, (self.exit_timeout_s or 30) + self.stop_grace_s, self.board_key,
+                        sorted(self._shm_before), not self.sweeps_deployment, str(self._workdir))
+        self._guard = subprocess.Popen([sys.executable, "-m", "disagg.serve.guard"], stdin=subprocess.PIPE, start_new_session=True)
+        with self._guard.stdin as orders_in:
+            orders_in.write(orders.to_json().encode() + b"\n")
 
     def _relay_output(self) -> None:
         """Copies the server's (and its stubs') output to ours, prefixed, noting a fatal signal."""
@@ -361,30 +375,27 @@ class TritonServer:
         assert self.process is not None, "call start() first"
         return self.process.wait()
 
-    def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM, then SIGKILL if it is still running `exit_timeout_s + grace_s` seconds later.
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL if it is still running `exit_timeout_s + stop_grace_s` seconds later.
         Returns the exit code (None if it was never started). Safe to call twice."""
+        if self._guard is not None:
+            self._guard.kill()
+            self._guard.wait()
+            self._guard = None
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=(self.exit_timeout_s or 30) + grace_s)
+                self.process.wait(timeout=(self.exit_timeout_s or 30) + self.stop_grace_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
         if self.process is not None:
             # Python stubs outlive a server that crashed or was killed: end its whole process group, then
             # remove what they can no longer remove themselves.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-                deadline = time.monotonic() + 5.0
-                while time.monotonic() < deadline:  # until the group is gone: a dying stub still maps its region
-                    os.killpg(self.process.pid, 0)
-                    time.sleep(0.05)
-            sweep(self.board_key, since=self._shm_before, regions_only=not self.sweeps_deployment)
-            sweep_python_envs()
-        if self._workdir is not None:
+            end_server(self.process.pid, self.board_key, self._shm_before, not self.sweeps_deployment, self._workdir)
+        elif self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+        self._workdir = None
         return self.process.returncode if self.process is not None else None
 
     def __enter__(self) -> TritonServer:
