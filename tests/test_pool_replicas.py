@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from disagg.engine.sampling import NO_END_ID
 from disagg.serve.leftovers import names as shm_names
 from disagg.serve.metrics import scrape
-from disagg.triton.replicas import REFRESH_S
 from disagg.serve.process import Served
 from tools.stream_client import StreamError, stream
 
@@ -159,10 +158,11 @@ def test_replicas_join_and_leave_while_requests_run_and_none_fails(pools):
     for thread in asking:
         thread.join(60)
     assert long_answers == [expected_long] * LONG_REQUESTS
-    waits = [float(line.split()[3]) for served in (decode_2, decode_3) for line in served.lines if line.startswith("disagg-serve: drained in")]
-    # A drain with nothing to wait for takes 4 x REFRESH_S and three quiet readings, 1.3 s: one of them waited.
-    assert len(waits) == 2 and max(waits) > 4 * REFRESH_S + 1.0, waits
-    print(f"long request drained: the two replicas' drains took {waits} s")
+    drains = [line.strip() for served in (decode_2, decode_3) for line in served.lines if line.startswith("disagg-serve: drained in")]
+    # Told to stop while they held the long requests, and they finished them all before stopping.
+    assert len(drains) == 2 and sum(int(line.split(", ")[1].split()[0]) for line in drains) > 0, drains
+    assert not any("still held" in line for line in drains), drains
+    print(f"long requests drained: {drains}")
 
     # With every decode replica gone, a request is refused at once, retryable, naming the pool.
     with pytest.raises(StreamError, match=rf"decode: no replica is serving \(registry:{registries['decode']}\): retry shortly"):

@@ -185,16 +185,19 @@ class Servers:
         if self.isolated:
             sweep(self.key)
 
-    def drain(self, timeout_s: float) -> int:
+    def drain(self, timeout_s: float) -> tuple[int, int]:
         """Waits until orchestrators have seen this replica leave its registry (they read it every
         replicas.REFRESH_S) and no engine model here holds a request, or `timeout_s` has passed; returns
-        the requests still held then."""
+        the requests held when it began and those still held then."""
+        models = [e.name for e in engine_models(self.repository)]
+
+        def held() -> int:  # as the board says, published every 0.1 s
+            return sum(load.in_flight + load.held for m in models if (load := load_board.model_load(self.key, m)) is not None)
+
+        at_start = held()
         waited = min(timeout_s, 4 * replicas.REFRESH_S)
         time.sleep(waited)
-        models = [e.name for e in engine_models(self.repository)]
-        return replicas.wait_quiet(  # the board is published every 0.1 s
-            lambda: sum(load.in_flight + load.held for m in models if (load := load_board.model_load(self.key, m)) is not None),
-            timeout_s - waited, 0.1)
+        return at_start, replicas.wait_quiet(held, timeout_s - waited, 0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
 
             def drain_then_stop() -> None:
                 started = time.monotonic()
-                held = servers.drain(args.exit_timeout_secs)
-                print(f"{_PREFIX} drained in {time.monotonic() - started:.1f} s"
-                      + (f", {held} requests still held: stopping anyway" if held else ""), flush=True)
+                at_start, held = servers.drain(args.exit_timeout_secs)
+                print(f"{_PREFIX} drained in {time.monotonic() - started:.1f} s, {at_start} requests held when told to stop"
+                      + (f", {held} still held: stopping anyway" if held else ""), flush=True)
                 forward(signum)
 
             threading.Thread(target=drain_then_stop, name="drain", daemon=True).start()
