@@ -1,4 +1,4 @@
-"""`python -m disagg.serve.guard`: ends a server whose starter died, even one that does not stop by itself.
+"""A server's guard process: ends a server whose starter died, even one that does not stop by itself.
 
 A tritonserver gets SIGTERM when the thread that started it dies (PR_SET_PDEATHSIG, disagg.serve.server)
 and normally exits within its exit timeout. One that does not (stopped, deadlocked in its own fatal-signal
@@ -66,6 +66,3 @@ def main() -> None:
         signal.signal(sig, signal.SIG_IGN)
     guard(Orders(**json.loads(sys.stdin.readline())))
 
-
-if __name__ == "__main__":
-    main()

@@ -47,6 +47,8 @@ _GLOG_ERROR = re.compile(r"E\d{4} ")  # Triton's log lines of severity ERROR: E<
 # SIGTERM); a Python stub never does.
 _SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.")
 _OUTPUT_LOCK = threading.Lock()
+# Not `-m disagg.serve.guard`: this package's __init__ imports the guard first, and runpy warns of that.
+GUARD_MAIN = "from disagg.serve.guard import main; main()"
 
 
 class ServerError(RuntimeError):
@@ -312,7 +314,7 @@ class TritonServer:
         """The server's guard (disagg.serve.guard), which ends it if this process dies and it does not stop."""
         orders = Orders(os.getpid(), self.process.pid, (self.exit_timeout_s or 30) + self.stop_grace_s, self.board_key,
                         sorted(self._shm_before), not self.sweeps_deployment, str(self._workdir))
-        self._guard = subprocess.Popen([sys.executable, "-m", "disagg.serve.guard"], stdin=subprocess.PIPE, start_new_session=True)
+        self._guard = subprocess.Popen([sys.executable, "-c", GUARD_MAIN], stdin=subprocess.PIPE, start_new_session=True)
         with self._guard.stdin as orders_in:
             orders_in.write(orders.to_json().encode() + b"\n")
 
