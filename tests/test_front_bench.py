@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from engine_helpers import EngineFactory
 
-from disagg.bench.front import PATHS, measure
+from disagg.bench.front import PATHS, Flight, measure
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.sampling import NO_END_ID
 
@@ -40,6 +40,12 @@ def test_skipped_compute_follows_its_rule_frees_its_blocks_and_hands_off_like_th
     assert prefill.blocks.num_used == 0 and decode.blocks.num_used == 0
 
 
+def test_time_per_token_counts_every_token_of_a_coalesced_response():
+    flight = Flight(sent=0.0, phase="text", stamps=[0.010, 0.011, 0.012, 0.015], counts=[1, 1, 3, 1])
+    assert flight.per_token_s() == pytest.approx(0.005 / 5)  # 5 tokens after the first response
+    assert Flight(sent=0.0, phase="text", stamps=[0.010], counts=[1]).per_token_s() is None
+
+
 @pytest.mark.e2e
 def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     rows = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (2,), 1.0, 16)
@@ -47,6 +53,7 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     for r in rows:
         assert r.errors == 0 and r.completed > 0 and r.tokens_per_s > 0, r
         assert 0 < r.ttft_ms < 1000 and r.gap_ms > 0, r
+        assert r.token_ms == pytest.approx(r.gap_ms), r  # one token per response: no coalescing here
     # CPU per token is attributed to the processes that spent it: the ensemble's front models only on the
     # paths that go through them.
     by = {r.path: r.cpu_ms_per_token for r in rows}

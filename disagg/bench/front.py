@@ -16,8 +16,9 @@ and per path, side by side in one run:
 the engines' own cost does not compete with the front for this machine's cores.
 
 Printed per row: output tokens/s (tokens received in the window / window), TTFT p50, and p50 over requests
-of their mean gap between token responses; then ensemble vs direct at one stream (TTFT and per-token cost
-added) and at each level (tokens/s ratio), and where the CPU goes: CPU ms per output token of each
+of their mean gap between token responses and of their time per token after the first response (the same
+unless responses carry several tokens: `--coalesce-backlog`); then ensemble vs direct at one stream (TTFT
+and per-token cost added) and at each level (tokens/s ratio), and where the CPU goes: CPU ms per output token of each
 process (tritonserver, each model's Python stub, this client) over the window of the highest level,
 which is what limits the front on a machine whose cores it saturates. The engines' own ceiling is printed beside it: the decode
 tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64.
@@ -94,11 +95,19 @@ def engine_inputs(ids: list[int], max_tokens: int, params: np.ndarray | None = N
 
 @dataclass
 class Flight:
-    """One request in flight: when it was sent, when each of its token responses came, tokens seen."""
+    """One request in flight: when it was sent, when each of its token responses came and how many tokens
+    each carried."""
 
     sent: float
     phase: str  # "text" | "engine" | "prefill" | "decode"
     stamps: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def per_token_s(self) -> float | None:
+        """Time per token after the first response: responses that carry several tokens (coalesced) count
+        each of them; None with nothing after the first response."""
+        later = sum(self.counts[1:])
+        return (self.stamps[-1] - self.stamps[0]) / later if later else None
 
 
 @dataclass
@@ -108,6 +117,7 @@ class Level:
     tokens_per_s: float
     ttft_ms: float
     gap_ms: float
+    token_ms: float  # p50 over requests of Flight.per_token_s
     completed: int
     errors: int
     cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # by process, over the window
@@ -155,6 +165,7 @@ class Driver:
         self.tokens_in_window, self.window = 0, (0.0, until)
         self.ttfts: list[float] = []
         self.gaps: list[float] = []
+        self.per_token: list[float] = []
         self.errors = 0
 
     def run(self, path: str, streams: int, seconds: float) -> Level:
@@ -173,7 +184,7 @@ class Driver:
         med = (lambda xs: float(np.median(xs)) * 1e3 if xs else float("nan"))
         tokens = max(1, self.tokens_in_window)
         cpu = {name: (after[name] - before.get(name, 0.0)) * 1e3 / tokens for name in after}
-        return Level(path, streams, self.tokens_in_window / seconds, med(self.ttfts), med(self.gaps), len(self.ttfts), self.errors, cpu)
+        return Level(path, streams, self.tokens_in_window / seconds, med(self.ttfts), med(self.gaps), med(self.per_token), len(self.ttfts), self.errors, cpu)
 
     def close(self) -> None:
         self.client.stop_stream()
@@ -218,6 +229,7 @@ class Driver:
             tokens = self._tokens(result, flight)
             if tokens:
                 flight.stamps.append(now)
+                flight.counts.append(tokens)
                 if self.window[0] <= now <= self.window[1]:
                     self.tokens_in_window += tokens
             if not response.parameters["triton_final_response"].bool_param:
@@ -244,6 +256,7 @@ class Driver:
             self.ttfts.append(flight.stamps[0] - flight.sent)
             if len(flight.stamps) > 1:
                 self.gaps.append(float(np.mean(np.diff(flight.stamps))))
+                self.per_token.append(flight.per_token_s())
         if now < self.until:
             self._send_new(now)
         if not self.flights:
@@ -284,7 +297,7 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                 for path in paths:
                     rows.append(driver.run(path, streams, seconds))
                     r = rows[-1]
-                    print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.completed:>10}{r.errors:>8}", flush=True)
+                    print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
         finally:
             driver.close()
     return rows
@@ -303,8 +316,8 @@ def summary(rows: list[Level], ceiling: dict[int, float]) -> list[str]:
     for front, direct in (("ensemble", "prefill + decode"), ("tensorrt_llm_bls", "prefill + decode"), ("aggregated", "aggregated_engine")):
         one_f, one_d = by.get((front, 1)), by.get((direct, 1))
         if one_f and one_d:
-            lines.append(f"  {front} vs {direct}, 1 stream: TTFT +{one_f.ttft_ms - one_d.ttft_ms:.2f} ms, "
-                         f"per token +{one_f.gap_ms - one_d.gap_ms:.3f} ms")
+            lines.append(f"  {front} vs {direct}, 1 stream: TTFT +{one_f.ttft_ms - one_d.ttft_ms:.2f} ms, per token "
+                         f"+{one_f.token_ms - one_d.token_ms:.3f} ms, gap between responses +{one_f.gap_ms - one_d.gap_ms:.3f} ms")
         ratios = [f"{s}: {by[(front, s)].tokens_per_s / by[(direct, s)].tokens_per_s:.2f}"
                   for s in sorted({r.streams for r in rows}) if (front, s) in by and (direct, s) in by]
         lines.append(f"  {front} / {direct} tokens/s by streams: " + ", ".join(ratios))
@@ -339,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.coalesce_backlog:
         step += f"; orchestrators coalesce once {args.coalesce_backlog} responses wait"
     print(f"front cost with engine compute skipped ({step}; {args.max_tokens} tokens per request, {args.seconds:g} s per row; "
-          "ms: TTFT p50, p50 of each request's mean gap between token responses)")
-    print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'requests':>10}{'errors':>8}")
+          "ms: TTFT p50, p50 of each request's mean gap between token responses and of its time per token after the first)")
+    print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'ms/token':>11}{'requests':>10}{'errors':>8}")
     rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog)
     ceiling = engine_ceiling(Path("build"), [16, 64])
     for line in summary(rows, ceiling):
