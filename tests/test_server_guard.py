@@ -94,3 +94,15 @@ def test_a_wedged_server_whose_starter_died_is_ended_with_its_stubs_and_shared_m
         starter.wait()
         if server is not None and running(server):
             leftovers.end_server(server, "", shm_before, True, None)
+
+
+def test_while_the_starter_lives_the_guard_leaves_when_the_server_exits_and_ends_nothing(monkeypatch):
+    from disagg.serve import guard
+
+    ended = []
+    monkeypatch.setattr(guard, "end_server", lambda *args: ended.append(args))
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    orders = guard.Orders(os.getppid(), server.pid, 0.0, "key", [], True, "/nonexistent")
+    started = time.monotonic()
+    guard.guard(orders)  # this process's parent stands for the starter: alive throughout
+    assert server.poll() is not None and time.monotonic() - started < 5 and ended == []

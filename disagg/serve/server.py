@@ -305,7 +305,11 @@ class TritonServer:
         finally:
             if out not in (None, subprocess.PIPE):
                 out.close()
-        self._start_guard()
+        try:
+            self._start_guard()
+        except BaseException:
+            self.stop()  # a server nothing would end if this process died
+            raise
         if out is subprocess.PIPE:
             threading.Thread(target=self._relay_output, name=f"output-{self.label}", daemon=True).start()
         return self
