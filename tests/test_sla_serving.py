@@ -115,8 +115,12 @@ def test_classes_pick_pools_by_cost_and_target_and_refuse_what_no_pool_meets(dep
                  if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())]
         return sum(found)
 
+    def applied() -> bool:  # every update made so far, in whatever order its thread applies them
+        return (series("disagg_service_class_refused_total", service_class="realtime") >= 2
+                and series("disagg_pool_ttft_seconds_count", pool=f"registry:{registry['prefill']}") >= 17)
+
     deadline = time.monotonic() + 5  # the orchestrator's metrics are applied by a thread of their own
-    while series("disagg_service_class_refused_total", service_class="realtime") < 2 and time.monotonic() < deadline:
+    while not applied() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert series("disagg_service_class_refused_total", service_class="realtime") == 2
     assert series("disagg_service_class_refused_total", service_class="interactive") == 0
