@@ -61,20 +61,6 @@ def _ask(front: Served, i: int) -> str:
     return stream(front.url, "ensemble", PROMPTS[i % len(PROMPTS)], TOKENS, end_id=NO_END_ID, timeout_s=60).text
 
 
-def _until_pools_seen(front: Served, timeout_s: float = 10.0) -> None:
-    """Waits until the front's orchestrator has found a replica of each pool: it reads the registries and
-    the replicas' metrics every REFRESH_S, and a request before that is refused as retryable."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            _ask(front, 0)
-            return
-        except StreamError as exc:
-            if "no replica is serving" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.25)
-
-
 def test_replicas_join_and_leave_while_requests_run_and_none_fails(pools):
     replica, front_of, registries = pools
     before_shm = shm_names()
@@ -83,7 +69,6 @@ def test_replicas_join_and_leave_while_requests_run_and_none_fails(pools):
     front = front_of()
     for served in (prefill, decode_1, decode_2, front):
         served.ready()
-    _until_pools_seen(front)
     expected = [_ask(front, i) for i in range(len(PROMPTS))]  # greedy: every later answer must be the same
     expected_long = stream(front.url, "ensemble", PROMPTS[0], LONG_TOKENS, end_id=NO_END_ID, timeout_s=60).text
     # Idle, each replica's engine reports as the tensorrtllm backend does (custom_metrics_reporter.cc); the
