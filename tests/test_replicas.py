@@ -180,3 +180,22 @@ def test_the_pool_keeps_following_its_replicas_whatever_a_scrape_or_a_listener_r
         assert calls == ["127.0.0.1:9101"]
     finally:
         pool.close()
+
+
+def test_a_request_that_finds_no_replica_has_the_pool_read_again_before_it_is_refused(tmp_path, metrics_server):
+    """A replica that joined since the pool's last reading (a front that just started) serves the request."""
+    from stub_helpers import imported_with_stub
+
+    url, _ = metrics_server
+    source = f"registry:{tmp_path}"
+    pool = ReplicaPool(RegistrySource(str(tmp_path)), refresh_s=3600)  # its thread will not read it again
+    try:
+        with imported_with_stub("disagg.triton.orchestrator") as orchestrator:
+            model = object.__new__(orchestrator.TritonPythonModel)
+            model.pools, model.pools_of, model.engine_urls = {source: pool}, {"decode": [source]}, {"decode": source}
+            with pytest.raises(orchestrator.HopError, match=rf"^decode: no replica is serving \(registry:{tmp_path}\): retry shortly$"):
+                model._candidates(["decode"])
+            announce(tmp_path, Replica("127.0.0.1:9101", url))
+            assert model._candidates(["decode"]) == [orchestrator.Engine("decode", "127.0.0.1:9101", source)]
+    finally:
+        pool.close()

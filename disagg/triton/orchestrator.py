@@ -70,6 +70,10 @@ CANCEL_CHECK_S = 0.05
 SENDER_CHECK_S = 0.25
 STOP_TIMEOUT_S = 5.0  # for a `stop` or a drain: cleanup, never on a client's path
 DRAIN_WAIT_S = 10.0  # how long a drain waits for a dead decode to be reloaded (else the lease reclaims)
+# Hop errors that mean the engine is coming back: its instances died and are being reloaded, its pool has
+# no replica yet, or its tritonserver is being restarted (the stream broke, the model is not loaded yet).
+ENGINE_AWAY = ("no live engine instance", "no replica is serving", "died while serving this request",
+               "stream to the engine server broke", "the engine server ended the stream", "Request for unknown model")
 # Inputs the orchestrator reads for itself, not forwarded: the client's `stream`, and `exclude_input_in_output`
 # (engines always stream to the orchestrator, so the prompt is put before a non-streamed answer here).
 OWN_INPUTS = ("streaming", "exclude_input_in_output", "service_class")
@@ -591,7 +595,20 @@ class TritonPythonModel:
 
     def _candidates(self, models: list[str]) -> list[Engine]:
         """Every engine that can serve one of `models`: its server, or each live replica of its pool.
-        HopError when the pools of all of them have no live replica."""
+        When none is live, the pools are read again at once (a replica may have joined since their last
+        reading, as at start); HopError when there is still none."""
+        found = self._listed(models)
+        if not found:
+            for source in dict.fromkeys(s for m in models for s in self.pools_of[m]):
+                self.pools[source].refresh()
+            found = self._listed(models)
+        if not found:
+            sources = ", ".join(sorted({self.engine_urls[m] for m in models}))
+            raise HopError(f"{'/'.join(models)}: no replica is serving ({sources}): retry shortly")
+        return found
+
+    def _listed(self, models: list[str]) -> list[Engine]:
+        """The engines serving `models` as last read: a model's own server, or each live replica of its pools."""
         found = []
         for model in models:
             sources = self.pools_of.get(model)
@@ -599,9 +616,6 @@ class TritonPythonModel:
                 found.append(Engine(model, self.engine_urls[model]))
             else:
                 found += [Engine(model, url, source) for source in sources for url in self.pools[source].urls()]
-        if not found:
-            sources = ", ".join(sorted({self.engine_urls[m] for m in models}))
-            raise HopError(f"{'/'.join(models)}: no replica is serving ({sources}): retry shortly")
         return found
 
     def _score(self, engine: Engine) -> tuple[bool, int, int]:
@@ -714,8 +728,8 @@ class TritonPythonModel:
                 with self._hop(decode, take, f"{request_id}-drain", "generation_only") as hop:
                     list(hop.results(STOP_TIMEOUT_S, lambda: False))
                 return
-            except HopError as exc:  # every decode instance dead, or no replica listed: wait for one
-                if not any(m in str(exc) for m in ("no live engine instance", "no replica is serving")) or time.monotonic() > deadline:
+            except HopError as exc:  # decode is being reloaded or restarted: wait for it
+                if not any(m in str(exc) for m in ENGINE_AWAY) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
             finally:

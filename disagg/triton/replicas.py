@@ -152,24 +152,28 @@ class ReplicaPool:
         self.source, self.refresh_s, self.on_leave = source, refresh_s, on_leave
         self._loads: dict[str, tuple[dict[str, Load], float]] = {}  # grpc url -> ({model: Load}, when read)
         self._lock = threading.Lock()
+        self._refreshing = threading.Lock()  # one reading at a time: each replica that leaves is reported once
         self._closed = threading.Event()
         self.refresh()
         self._thread = threading.Thread(target=self._run, name="replicas", daemon=True)
         self._thread.start()
 
     def refresh(self) -> None:
-        loads = {}
-        for replica in self.source.replicas():
-            now = time.monotonic()
-            try:
-                loads[replica.grpc] = (scrape(replica.metrics), now)
-            except Exception:  # noqa: BLE001 - not serving yet, any more (a cut-off answer), or just slow
-                last = self._loads.get(replica.grpc)
-                if last is not None and now - last[1] < SILENT_S:
-                    loads[replica.grpc] = last
-        with self._lock:
-            left = self._loads.keys() - loads.keys()
-            self._loads = loads
+        """Reads the source and every listed replica's metrics now (the pool's thread does it every
+        `refresh_s`; a caller that found no replica may not want to wait for that)."""
+        with self._refreshing:
+            loads = {}
+            for replica in self.source.replicas():
+                now = time.monotonic()
+                try:
+                    loads[replica.grpc] = (scrape(replica.metrics), now)
+                except Exception:  # noqa: BLE001 - not serving yet, any more (a cut-off answer), or just slow
+                    last = self._loads.get(replica.grpc)
+                    if last is not None and now - last[1] < SILENT_S:
+                        loads[replica.grpc] = last
+            with self._lock:
+                left = self._loads.keys() - loads.keys()
+                self._loads = loads
         for url in sorted(left):
             try:
                 self.on_leave(url)
