@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from disagg.serve import leftovers
-from disagg.serve.guard import running
+from disagg.triton.load_board import pid_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -49,17 +49,6 @@ time.sleep(300)
 EXIT_TIMEOUT_S, GRACE_S = 1, 0.5
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
 def test_a_wedged_server_whose_starter_died_is_ended_with_its_stubs_and_shared_memory(tmp_path):
     repo = tmp_path / "repo"
     (repo / "echo" / "1").mkdir(parents=True)
@@ -73,7 +62,7 @@ def test_a_wedged_server_whose_starter_died_is_ended_with_its_stubs_and_shared_m
         line = starter.stdout.readline().split()
         assert len(line) == 2, f"the starter did not start a server: {(tmp_path / 'server.log').read_text()[-2000:]}"
         server, workdir = int(line[0]), Path(line[1])
-        stubs = _children(server)
+        stubs = leftovers.children_of(server)
         regions = {n for n in leftovers.names() - shm_before if n.startswith("triton_python_backend_shm_region_")}
         assert stubs and regions and workdir.is_dir()
 
@@ -82,17 +71,17 @@ def test_a_wedged_server_whose_starter_died_is_ended_with_its_stubs_and_shared_m
         starter.wait()
         died = time.monotonic()
         time.sleep(EXIT_TIMEOUT_S + GRACE_S - 0.5)
-        assert running(server), "the server was ended before its exit timeout and grace were over"
+        assert pid_alive(server), "the server was ended before its exit timeout and grace were over"
         deadline = died + EXIT_TIMEOUT_S + GRACE_S + 10
-        while time.monotonic() < deadline and (any(running(p) for p in [server, *stubs]) or regions & leftovers.names() or workdir.exists()):
+        while time.monotonic() < deadline and (any(pid_alive(p) for p in [server, *stubs]) or regions & leftovers.names() or workdir.exists()):
             time.sleep(0.1)
-        assert [p for p in [server, *stubs] if running(p)] == []
+        assert [p for p in [server, *stubs] if pid_alive(p)] == []
         assert regions & leftovers.names() == set(), "the stubs' shared memory was left behind"
         assert not workdir.exists()
     finally:
         starter.kill()
         starter.wait()
-        if server is not None and running(server):
+        if server is not None and pid_alive(server):
             leftovers.end_server(server, "", shm_before, True, None)
 
 

@@ -6,7 +6,6 @@ import shlex
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
@@ -15,6 +14,7 @@ from tritonclient.grpc import model_config_pb2
 from disagg.render import engine_urls, plan_models
 from disagg.spec import SpecError
 from disagg.triton.contract import parse_engine_urls
+from disagg.triton.load_board import pid_alive
 from disagg.trtllm.build import dry_run_lines
 from disagg.trtllm.render import render_engine_configs, render_launch_script
 from trtllm_helpers import example_spec, model_dir
@@ -338,16 +338,8 @@ def test_launch_script_ends_the_deployment_when_either_server_ends(tmp_path, fir
     pids = dict(line.split() for line in log.read_text().splitlines())
     assert set(pids) == {"front", "engines"}
     time.sleep(0.2)
-    running = [pid for pid in pids.values() if _state(pid) not in (None, "Z")]
+    running = [pid for pid in pids.values() if pid_alive(int(pid))]
     assert not running, "the other one was not ended"
-
-
-def _state(pid: str) -> str | None:
-    """A process's state letter (Z: ended, not yet reaped), None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
 
 
 def test_the_prefix_store_becomes_each_instances_host_offload_and_a_disk_tier_is_refused(tmp_path):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagg.serve.leftovers import end_server
+from disagg.triton.load_board import pid_alive
 
 POLL_S = 0.25
 
@@ -41,22 +42,13 @@ class Orders:
         return json.dumps(self.__dict__)
 
 
-def running(pid: int) -> bool:
-    """Whether `pid` runs; a zombie does not (it exited, and whoever adopted it has not reaped it yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def guard(orders: Orders) -> None:
     while os.getppid() == orders.starter:
-        if not running(orders.server):
+        if not pid_alive(orders.server):
             return  # the starter stops or restarts it, and cleans up
         time.sleep(POLL_S)
     deadline = time.monotonic() + orders.wait_s
-    while running(orders.server) and time.monotonic() < deadline:
+    while pid_alive(orders.server) and time.monotonic() < deadline:
         time.sleep(POLL_S)
     end_server(orders.server, orders.board_key, set(orders.since), orders.regions_only, Path(orders.workdir))
 

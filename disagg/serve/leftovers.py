@@ -35,6 +35,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from disagg.triton.load_board import parent_pid
+
 SHM = Path("/dev/shm")
 _BACKEND_REGION = "triton_python_backend_shm_region_"
 REGION_GRACE_S = 10.0
@@ -170,21 +172,25 @@ def end_server(pid: int, key: str, since: set[str] | None, regions_only: bool, w
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def children_of(ppid: int) -> list[int]:
+    """The processes whose parent is `ppid` (1: those init adopted)."""
+    return [pid for pid in (int(p.name) for p in Path("/proc").glob("[0-9]*")) if parent_pid(pid) == ppid]
+
+
 def end_orphan_stubs(model_repository: Path) -> list[int]:
     """SIGKILLs Python backend stubs of `model_repository`'s models whose server is gone (parent: init).
     Returns their process ids."""
     prefix = f"{Path(model_repository).resolve()}/"
     ended = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in children_of(1):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
             continue
-        if ppid == 1 and len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].decode(errors="replace").startswith(prefix):
+        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].decode(errors="replace").startswith(prefix):
             try:
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-                ended.append(int(stat.parent.name))
+                os.kill(pid, signal.SIGKILL)
+                ended.append(pid)
             except ProcessLookupError:
                 pass
     return ended

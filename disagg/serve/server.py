@@ -314,9 +314,14 @@ class TritonServer:
             threading.Thread(target=self._relay_output, name=f"output-{self.label}", daemon=True).start()
         return self
 
+    @property
+    def _stop_wait_s(self) -> float:
+        """How long a server told to stop (by `stop`, or by its starter's death) has before it is killed."""
+        return (self.exit_timeout_s or 30) + self.stop_grace_s
+
     def _start_guard(self) -> None:
         """The server's guard (disagg.serve.guard), which ends it if this process dies and it does not stop."""
-        orders = Orders(os.getpid(), self.process.pid, (self.exit_timeout_s or 30) + self.stop_grace_s, self.board_key,
+        orders = Orders(os.getpid(), self.process.pid, self._stop_wait_s, self.board_key,
                         sorted(self._shm_before), not self.sweeps_deployment, str(self._workdir))
         self._guard = subprocess.Popen([sys.executable, "-c", GUARD_MAIN], stdin=subprocess.PIPE, start_new_session=True)
         with self._guard.stdin as orders_in:
@@ -391,7 +396,7 @@ class TritonServer:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=(self.exit_timeout_s or 30) + self.stop_grace_s)
+                self.process.wait(timeout=self._stop_wait_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

@@ -78,15 +78,29 @@ def _read_small(path: str) -> bytes:
         os.close(fd)
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of process `pid` in /proc (R, S, D, T for stopped, Z for a zombie ...); None when
-    there is no such process."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, parent pid, ...); None when there is
+    no such process."""
     if pid <= 0:
         return None
     try:
-        return _read_small(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0].decode()
+        fields = _read_small(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return fields if len(fields) > 1 else None
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process `pid` in /proc (R, S, D, T for stopped, Z for a zombie ...); None when
+    there is no such process."""
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[0].decode()
+
+
+def parent_pid(pid: int) -> int | None:
+    """Process `pid`'s parent (1 once init adopted it); None when there is no such process."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
 
 
 def pid_alive(pid: int) -> bool:
