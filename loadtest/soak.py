@@ -6,8 +6,9 @@ one in ten is a request from the bad-input catalog (loadtest/bad_inputs.py). Fau
 of the run: `kill -9` of the decode stub, `kill -9` of the prefill stub, the decode stub stopped
 (SIGSTOP) for `--pause` seconds and resumed. Every request has a deadline; one that passes it without an
 answer is hung. Prints and writes (`--out`, JSON): requests completed, failed with an error, cancelled,
-hung (must be 0), ended early without an error (must be 0); for each fault the seconds until the deployment served again; KV blocks and handoffs
-held at the end (must be 0); shared-memory objects of the deployment after the stop (must be 0);
+hung (must be 0), ended early without an error (must be 0); for each fault the seconds until the
+deployment served again, and whether an engine's tritonserver had to be started again meanwhile; KV
+blocks and handoffs held at the end (must be 0); shared-memory objects of the deployment after the stop (must be 0);
 restarts of the main server, which runs the ensembles and orchestrators (must be 0); and restarts of the
 tritonservers that run one engine model each (disagg-serve's isolation: a stub killed at the wrong moment
 can abort the server running it, then that engine's server is restarted). Exit code 1 if any must-be-0
@@ -53,7 +54,7 @@ class Report:
     outcomes: dict[str, int] = field(default_factory=dict)  # completed / error / cancelled / hung / truncated / bad_input_refused
     errors: dict[str, int] = field(default_factory=dict)  # first 80 characters of each error text -> count
     hung: list[dict] = field(default_factory=list)  # {"sent_at_s", "model", "cancelled", "outcome"} of each hung or truncated request
-    faults: list[dict] = field(default_factory=list)  # {"fault", "at_s", "served_again_after_s"}
+    faults: list[dict] = field(default_factory=list)  # {"fault", "at_s", "served_again_after_s", "engine_server_restarted"}
     kv_blocks_in_use: dict[str, float] = field(default_factory=dict)
     handoffs_held: float = 0.0
     shm_leftovers: list[str] = field(default_factory=list)
@@ -248,10 +249,11 @@ def run(repo: Path, duration_s: float, clients: int, pause_s: float, log: Path) 
             t.start()
         for at, fault in FAULTS:
             time.sleep(max(0.0, started + at * duration_s - time.monotonic()))
-            injected = time.monotonic()
+            restarts, injected = dep.server_restarts(engines=True), time.monotonic()
             resume = _inject(dep, fault, pause_s)
             report.faults.append({"fault": fault, "at_s": round(injected - started, 1),
-                                  "served_again_after_s": _served_again(dep, injected)})
+                                  "served_again_after_s": _served_again(dep, injected),
+                                  "engine_server_restarted": dep.server_restarts(engines=True) > restarts})
             if resume:
                 resume.join()
             print(f"soak: {fault} at {injected - started:.0f} s; served again after {report.faults[-1]['served_again_after_s']} s", flush=True)

@@ -17,11 +17,9 @@ def test_a_short_soak_hangs_nothing_leaks_nothing_and_heals_every_fault(cpu_tiny
               if line.startswith("disagg-serve:") or "Signal" in line or "terminate" in line or "exception" in line]
     assert report.failures() == [], (report, events[-40:])
     assert [f["fault"] for f in report.faults] == ["kill -9 decode", "kill -9 prefill", "pause decode"]
-    kills, pause = report.faults[:2], report.faults[2]
-    assert all(f["served_again_after_s"] < 5.0 for f in kills), report
-    # Ending a stopped stub can abort the engine's own server (README, Known problems): then that server is
-    # started again, which takes longer than a model reload.
-    assert pause["served_again_after_s"] < (10.0 if report.engine_server_restarts else 5.0), report
+    # A killed stub, or ending a stopped one, can abort the engine's own server (README, Known problems):
+    # then that server is started again, which takes longer than a model reload.
+    assert all(f["served_again_after_s"] < (10.0 if f["engine_server_restarted"] else 5.0) for f in report.faults), report
     assert report.outcomes.get("completed", 0) > 100 and report.outcomes.get("bad_input_refused", 0) > 10
     assert report.outcomes.get("hung", 0) == 0 and report.server_restarts == 0
     assert report.engine_restarts["prefill"] >= 1 and report.engine_restarts["decode"] >= 2, report.engine_restarts

@@ -113,8 +113,12 @@ class EngineStream:
 
 
 def _channel(url: str) -> grpc.Channel:
+    """A channel with connections of its own: by default gRPC shares them between channels to one address,
+    and a new channel would take over the old one's connection in its reconnect back-off, refusing calls
+    with the old "Connection refused" although the server is back."""
     return grpc.insecure_channel(url, options=[
         ("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.use_local_subchannel_pool", 1),
     ])
 
 
