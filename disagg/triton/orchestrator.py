@@ -44,6 +44,7 @@ import queue
 import random
 import threading
 import time
+import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -441,6 +442,12 @@ class TritonPythonModel:
                 self._quietly(lambda: client.fail(message))  # first: a hung engine must not delay the error
                 with STUB_LOCK:
                     pb_utils.Logger.log_warn(f"{self.instance}: request {request_id} failed: {message}")
+            except Exception as exc:  # noqa: BLE001 - a fault of ours: the client must still get its final answer, and the worker would swallow it
+                message = f"{self.instance}: internal error: {type(exc).__name__}: {exc}"
+                self.failures.increment(1)
+                self._quietly(lambda: client.fail(message))
+                with STUB_LOCK:
+                    pb_utils.Logger.log_error(f"{self.instance}: request {request_id}: {traceback.format_exc()}")
             finally:
                 flag.close()  # the client has its answer: nothing reads the flag any more
         finally:

@@ -1,0 +1,103 @@
+"""How the orchestrator ends requests that go wrong, in-process.
+
+The drain of a handoff whose request failed after prefill (`_drain`) waits for a decode engine that is
+coming back, whether its instance is being reloaded or its whole tritonserver restarted (the soak's SIGSTOP
+fault), and gives up at once on any other error: the prefill engine holds a handoff nobody drains until its
+lease runs out. A fault of the orchestrator's own still ends the client's request with an error: its worker
+would swallow the exception, and the request (an ensemble's, too) would stay in flight until the server stops.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import pytest
+from stub_helpers import imported_with_stub
+
+
+@pytest.fixture(scope="module")
+def orchestrator():
+    with imported_with_stub("disagg.triton.orchestrator") as module:
+        yield module
+
+
+def _draining(orchestrator, errors: list[str]):
+    """An orchestrator whose decode hops fail with `errors`, one per try, then succeed; returns it and its tries."""
+    model = object.__new__(orchestrator.TritonPythonModel)
+    tries: list[dict] = []
+    model.decoders = ["decode"]
+    model._pick = lambda models: orchestrator.Engine("decode", "127.0.0.1:1")
+    model._done = lambda engine: None
+
+    @contextlib.contextmanager
+    def hop(engine, inputs, request_id, request_type):
+        tries.append({"id": request_id, "type": request_type, "len": int(inputs["request_output_len"][0, 0])})
+        if len(tries) <= len(errors):
+            raise orchestrator.HopError(errors[len(tries) - 1])
+        yield type("Hop", (), {"results": lambda self, timeout_s, cancelled: iter([([7], None)])})()
+
+    model._hop = hop
+    return model, tries
+
+
+def test_a_drain_waits_for_a_decode_server_that_is_restarting(orchestrator):
+    model, tries = _draining(orchestrator, [
+        "decode: engine instance decode_0_0 (pid 7) died while serving this request",
+        "decode: stream to the engine server broke: UNAVAILABLE: failed to connect to all addresses",
+        "decode: Request for unknown model: 'decode' has no available versions",
+    ])
+    model._drain("r1", {"input_ids": np.zeros((1, 3), np.int32)}, np.zeros(4, np.uint8))
+    assert tries == [{"id": "r1-drain", "type": "generation_only", "len": 1}] * 4
+
+
+def test_a_drain_gives_up_at_once_on_an_error_that_waiting_does_not_mend(orchestrator):
+    model, tries = _draining(orchestrator, ["decode: context_phase_params: no handoff held under this id"])
+    with pytest.raises(orchestrator.HopError, match="no handoff held"):
+        model._drain("r1", {}, np.zeros(4, np.uint8))
+    assert len(tries) == 1
+
+
+class _Sender:
+    def __init__(self):
+        self.sent: list = []
+
+    def send(self, response, flags=0):
+        self.sent.append((response, flags))
+
+
+class _Count:
+    def __init__(self):
+        self.value = 0
+
+    def increment(self, n):
+        self.value += n
+
+    def set(self, value):
+        self.value = value
+
+
+def test_an_unexpected_fault_still_ends_the_request_with_an_error_and_a_log(orchestrator, monkeypatch):
+    logged = []
+    monkeypatch.setattr(orchestrator.pb_utils, "Logger", type("Logger", (), {"log_error": staticmethod(logged.append)}), raising=False)
+    model = object.__new__(orchestrator.TritonPythonModel)
+    model.instance, model.mode, model.pool_routing, model.input_names = "disagg_orchestrator_0_0", "disaggregated", "least_loaded", {}
+    model._lock, model._count, model.in_flight, model.failures = threading.Lock(), 0, _Count(), _Count()
+    model._cancel_flag = lambda request_id: orchestrator.cancel_board.NoFlag()
+    model._service_class = lambda value: None
+    released = []
+    model._release = lambda request_id, inputs, reached: released.append(request_id)
+
+    def broken(*args):
+        raise KeyError("context_phase_params")
+
+    model._disaggregated = broken
+    sender = _Sender()
+    arrays = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32),
+              "request_output_len": np.array([[4]], np.int32), "streaming": np.array([[True]])}
+    model._serve(arrays, sender, 0.0)
+    ((response, flags),) = sender.sent
+    assert flags == orchestrator.FINAL
+    assert response.error.message() == "disagg_orchestrator_0_0: internal error: KeyError: 'context_phase_params'"
+    assert model.failures.value == 1 and model.in_flight.value == 0 and len(released) == 1
+    assert len(logged) == 1 and "Traceback" in logged[0] and "KeyError: 'context_phase_params'" in logged[0]
