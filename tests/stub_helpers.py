@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import queue
 import sys
+import threading
 import types
 
 import numpy as np
@@ -35,6 +37,29 @@ class Error:
 
     def message(self):
         return self._message
+
+
+class Sender:
+    """Records (response, flags); `gate`, when given, holds the first send until it is set."""
+
+    def __init__(self, gate: threading.Event | None = None):
+        self.sent: queue.Queue = queue.Queue()
+        self.gate = gate
+
+    def send(self, response=None, flags=0):
+        if self.gate is not None:
+            self.gate.wait(10)
+            self.gate = None
+        self.sent.put((response, flags))
+
+    def is_cancelled(self):
+        return False
+
+    def until_final(self) -> list:
+        got = []
+        while not got or got[-1][1] != FINAL:
+            got.append(self.sent.get(timeout=30))
+        return got
 
 
 PB_UTILS = types.ModuleType("triton_python_backend_utils")

@@ -5,14 +5,13 @@ context_phase_params or are an error, and `stop` requests. Runs the model in-pro
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 
 import numpy as np
 import pytest
 from engine_helpers import EngineFactory
-from stub_helpers import FINAL, Tensor, imported_with_stub
+from stub_helpers import FINAL, Sender, Tensor, imported_with_stub
 
 from disagg.engine.engine import ContextPhase, Request
 from disagg.engine.loop import EngineLoop
@@ -23,29 +22,6 @@ from disagg.triton.credential import PARAMETER
 from disagg.triton.tensors import EngineCall
 
 PROMPT = tuple(range(3, 43))
-
-
-class Sender:
-    """Records (response, flags); `gate`, when given, holds the first send until it is set."""
-
-    def __init__(self, gate: threading.Event | None = None):
-        self.sent: queue.Queue = queue.Queue()
-        self.gate = gate
-
-    def send(self, response=None, flags=0):
-        if self.gate is not None:
-            self.gate.wait(10)
-            self.gate = None
-        self.sent.put((response, flags))
-
-    def is_cancelled(self):
-        return False
-
-    def until_final(self) -> list:
-        got = []
-        while not got or got[-1][1] != FINAL:
-            got.append(self.sent.get(timeout=30))
-        return got
 
 
 KEY = "test-internal-key"

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from stub_helpers import imported_with_stub
+from stub_helpers import Sender, imported_with_stub
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +58,6 @@ def test_a_drain_gives_up_at_once_on_an_error_that_waiting_does_not_mend(orchest
     assert len(tries) == 1
 
 
-class _Sender:
-    def __init__(self):
-        self.sent: list = []
-
-    def send(self, response, flags=0):
-        self.sent.append((response, flags))
-
-
 class _Count:
     def __init__(self):
         self.value = 0
@@ -92,11 +84,12 @@ def test_an_unexpected_fault_still_ends_the_request_with_an_error_and_a_log(orch
         raise KeyError("context_phase_params")
 
     model._disaggregated = broken
-    sender = _Sender()
+    sender = Sender()
     arrays = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32),
               "request_output_len": np.array([[4]], np.int32), "streaming": np.array([[True]])}
     model._serve(arrays, sender, 0.0)
-    ((response, flags),) = sender.sent
+    ((response, flags),) = sender.until_final()
+    assert sender.sent.empty()
     assert flags == orchestrator.FINAL
     assert response.error.message() == "disagg_orchestrator_0_0: internal error: KeyError: 'context_phase_params'"
     assert model.failures.value == 1 and model.in_flight.value == 0 and len(released) == 1
