@@ -128,14 +128,18 @@ def _grpc(url: str, bad: BadRequest, internal_key: str) -> str | None:
         parameters[PARAMETER] = internal_key
     client = grpcclient.InferenceServerClient(url)
     got: queue.Queue = queue.Queue()
+    refused = False
     try:
         client.start_stream(callback=lambda result, error: got.put(error))
         client.async_stream_infer(bad.model, [infer_input(*i) for i in bad.inputs], parameters=parameters or None,
                                   enable_empty_final_response=True)
         error = got.get(timeout=120)
+        refused = error is not None
         return None if error is None else error.message()
     finally:
-        client.stop_stream(cancel_requests=True)
+        # A refusal ends the request; cancelling the stream after it would keep the model loaded (Triton 2.51,
+        # README "Known problems"). A request that was accepted, or not answered, is cancelled.
+        client.stop_stream(cancel_requests=not refused)
         client.close()
 
 

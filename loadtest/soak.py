@@ -147,14 +147,17 @@ def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
     'hung' when a response takes longer than REQUEST_DEADLINE_S."""
     client = grpcclient.InferenceServerClient(url)
     got: queue.Queue = queue.Queue()
+    ended = False  # by the server: then nothing is left to cancel (see tools/stream_client.py)
     try:
         client.start_stream(callback=lambda result, error: got.put((result, error)))
         client.async_stream_infer(model, build_inputs(prompt, 200, end_id=NO_END_ID), enable_empty_final_response=True)
         for _ in range(after):
             result, error = got.get(timeout=REQUEST_DEADLINE_S)
             if error is not None:
+                ended = True
                 return f"error: {error.message()}"
             if result.get_response().parameters["triton_final_response"].bool_param:
+                ended = True
                 return "truncated"
         return "cancelled"
     except InferenceServerException as exc:  # e.g. the stream broke before the request was sent
@@ -162,7 +165,7 @@ def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
     except queue.Empty:
         return "hung"
     finally:
-        client.stop_stream(cancel_requests=True)
+        client.stop_stream(cancel_requests=not ended)
         client.close()
 
 

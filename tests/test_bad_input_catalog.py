@@ -11,7 +11,7 @@ from disagg.engine.sampling import NO_END_ID
 from disagg.serve.metrics import by_role, scrape
 from loadtest.bad_inputs import CATALOG, send
 from tests.e2e_helpers import wait_kv_zero
-from tools.stream_client import stream
+from tools.stream_client import StreamError, stream
 
 pytestmark = pytest.mark.e2e
 
@@ -51,3 +51,17 @@ def test_each_bad_request_gets_its_error_and_disturbs_nothing(server):
     assert wait_kv_zero(server, timeout_s=10.0) == {"prefill": 0, "decode": 0, "aggregated": 0}
     assert by_role(scrape(server.metrics_url))["disagg_kv_handoff_held"]["prefill"] == 0
     assert stream(server.grpc_url, "ensemble", "Call me Ishmael.", 200, end_id=NO_END_ID).text == expected["ensemble"]
+
+
+def test_a_refused_request_leaves_the_ensemble_free_to_unload(cpu_tiny_project, start_triton):
+    """The project's clients do not cancel a stream whose request was refused (an error is its final
+    response): Triton 2.51 would keep the ensemble loaded, and the next stop would wait out the whole exit
+    timeout for it (README, Known problems)."""
+    server = start_triton(cpu_tiny_project / "model_repository")
+    refused_by_triton = next(b for b in CATALOG if b.name == "max_tokens of the wrong dtype")
+    send(refused_by_triton, server.http_url, server.grpc_url, server.internal_key)
+    with pytest.raises(StreamError, match="max_tokens: 100000 is over the limit"):
+        stream(server.grpc_url, "ensemble", "Call me Ishmael.", 100_000)
+    server.stop()
+    log = server.log_path.read_text()
+    assert "successfully unloaded 'ensemble'" in log, log[-2000:]  # else it was live until the server exited

@@ -104,7 +104,8 @@ def stream(
                 at, result, error = responses.get(timeout=max(0.0, sent + timeout_s - time.perf_counter()))
             except queue.Empty:
                 raise TimeoutError(f"{model}: no final response after {timeout_s:.0f} s") from None
-            if error is not None:
+            if error is not None:  # an error is the request's last response
+                finished = True
                 raise StreamError(error.message() if isinstance(error, InferenceServerException) else str(error))
             out = result.as_numpy("text_output")
             if out is not None:
@@ -117,7 +118,9 @@ def stream(
                 finished = True
                 break
     finally:
-        client.stop_stream(cancel_requests=not finished)  # a client that gives up cancels, never waits on
+        # A client that gives up cancels, never waits on. One whose request has ended does not: Triton 2.51
+        # then keeps the ensemble loaded after a refused request, and a stop waits out its exit timeout.
+        client.stop_stream(cancel_requests=not finished)
         client.close()
     arrivals = [at for at, text in zip(stamps, chunks) if text]
     return StreamResult(
