@@ -3,7 +3,8 @@
 The drain of a handoff whose request failed after prefill (`_drain`) waits for a decode engine that is
 coming back, whether its instance is being reloaded or its whole tritonserver restarted (the soak's SIGSTOP
 fault), and gives up at once on any other error: the prefill engine holds a handoff nobody drains until its
-lease runs out. A fault of the orchestrator's own still ends the client's request with an error: its worker
+lease runs out. Which hop errors mean "coming back" (`HopError.engine_away`) is decided where they arise: a
+broken stream, an engine server that has not loaded the model yet. A fault of the orchestrator's own still ends the client's request with an error: its worker
 would swallow the exception, and the request (an ensemble's, too) would stay in flight until the server stops.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 from stub_helpers import Sender, imported_with_stub
 
+from disagg.serve.server import free_ports
+
 
 @pytest.fixture(scope="module")
 def orchestrator():
@@ -22,7 +25,7 @@ def orchestrator():
         yield module
 
 
-def _draining(orchestrator, errors: list[str]):
+def _draining(orchestrator, errors: list[Exception]):
     """An orchestrator whose decode hops fail with `errors`, one per try, then succeed; returns it and its tries."""
     model = object.__new__(orchestrator.TritonPythonModel)
     tries: list[dict] = []
@@ -34,7 +37,7 @@ def _draining(orchestrator, errors: list[str]):
     def hop(engine, inputs, request_id, request_type):
         tries.append({"id": request_id, "type": request_type, "len": int(inputs["request_output_len"][0, 0])})
         if len(tries) <= len(errors):
-            raise orchestrator.HopError(errors[len(tries) - 1])
+            raise errors[len(tries) - 1]
         yield type("Hop", (), {"results": lambda self, timeout_s, cancelled: iter([([7], None)])})()
 
     model._hop = hop
@@ -42,20 +45,67 @@ def _draining(orchestrator, errors: list[str]):
 
 
 def test_a_drain_waits_for_a_decode_server_that_is_restarting(orchestrator):
-    model, tries = _draining(orchestrator, [
-        "decode: engine instance decode_0_0 (pid 7) died while serving this request",
-        "decode: stream to the engine server broke: UNAVAILABLE: failed to connect to all addresses",
-        "decode: Request for unknown model: 'decode' has no available versions",
-    ])
+    model, tries = _draining(orchestrator, [orchestrator.HopError(f"decode: away {i}", engine_away=True) for i in range(3)])
     model._drain("r1", {"input_ids": np.zeros((1, 3), np.int32)}, np.zeros(4, np.uint8))
     assert tries == [{"id": "r1-drain", "type": "generation_only", "len": 1}] * 4
 
 
 def test_a_drain_gives_up_at_once_on_an_error_that_waiting_does_not_mend(orchestrator):
-    model, tries = _draining(orchestrator, ["decode: context_phase_params: no handoff held under this id"])
+    model, tries = _draining(orchestrator, [orchestrator.HopError("decode: context_phase_params: no handoff held under this id")])
     with pytest.raises(orchestrator.HopError, match="no handoff held"):
         model._drain("r1", {}, np.zeros(4, np.uint8))
     assert len(tries) == 1
+
+
+class _QuietStream:
+    """A shared engine stream that is up and has not answered yet."""
+
+    broken = None
+
+    def send(self, request, on_response):
+        self.on_response = on_response
+
+    def forget(self, request_id, on_response):
+        pass
+
+
+def _hop(orchestrator, stream):
+    inputs = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32)}
+    return orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:1"), inputs, "r1", "generation_only", "key",
+                            orchestrator.load_board.Liveness())
+
+
+def _hop_error(orchestrator, hop) -> Exception:
+    with pytest.raises(orchestrator.HopError) as failed:
+        list(hop.results(5.0, lambda: False))
+    return failed.value
+
+
+@pytest.mark.parametrize("error, away", [
+    ("Request for unknown model: 'decode' has no available versions", True),  # its server restarted, loading it
+    ("context_phase_params: no handoff held under this id", False),
+    ("generation_only: request_output_len 0 must be >= 1", False),
+])
+def test_an_engine_servers_refusal_means_it_is_coming_back_only_while_the_model_loads(orchestrator, error, away):
+    stream = _QuietStream()
+    hop = _hop(orchestrator, stream)
+    stream.on_response(None, error, True)
+    failed = _hop_error(orchestrator, hop)
+    assert str(failed) == f"decode: {error}" and failed.engine_away is away
+
+
+def test_a_broken_stream_means_the_engine_server_is_coming_back(orchestrator):
+    """A stream to a port where nothing listens breaks, failing the hop on it, and a hop sent on it after."""
+    server = orchestrator.EngineServer(f"127.0.0.1:{free_ports(1)[0]}")
+    try:
+        stream = server.shared()
+        failed = _hop_error(orchestrator, _hop(orchestrator, stream))
+        assert "stream to the engine server broke: UNAVAILABLE" in str(failed) and failed.engine_away
+        with pytest.raises(orchestrator.HopError, match="stream to the engine server broke") as refused:
+            _hop(orchestrator, stream)
+        assert refused.value.engine_away
+    finally:
+        server.close()
 
 
 class _Count:

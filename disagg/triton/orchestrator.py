@@ -71,10 +71,9 @@ CANCEL_CHECK_S = 0.05
 SENDER_CHECK_S = 0.25
 STOP_TIMEOUT_S = 5.0  # for a `stop` or a drain: cleanup, never on a client's path
 DRAIN_WAIT_S = 10.0  # how long a drain waits for a dead decode to be reloaded (else the lease reclaims)
-# Hop errors that mean the engine is coming back: its instances died and are being reloaded, its pool has
-# no replica yet, or its tritonserver is being restarted (the stream broke, the model is not loaded yet).
-ENGINE_AWAY = ("no live engine instance", "no replica is serving", "died while serving this request",
-               "stream to the engine server broke", "the engine server ended the stream", "Request for unknown model")
+# What Triton core answers for a model it has not loaded (model_repository_manager.cc): an engine server
+# that has just been restarted, before its model is back.
+MODEL_NOT_LOADED = "Request for unknown model"
 # Inputs the orchestrator reads for itself, not forwarded: the client's `stream`, and `exclude_input_in_output`
 # (engines always stream to the orchestrator, so the prompt is put before a non-streamed answer here).
 OWN_INPUTS = ("streaming", "exclude_input_in_output", "service_class")
@@ -82,7 +81,12 @@ READ_INPUTS = frozenset((*FORWARDED_INPUTS, *OWN_INPUTS))
 
 
 class HopError(RuntimeError):
-    pass
+    """A hop that failed. `engine_away`: the engine is coming back (its instances died and are being
+    reloaded, its pool has no replica yet, its tritonserver is being restarted), so a drain waits for it."""
+
+    def __init__(self, message: str, engine_away: bool = False):
+        super().__init__(message)
+        self.engine_away = engine_away
 
 
 @dataclass(frozen=True)
@@ -149,11 +153,12 @@ class Hop:
         try:
             stream.send(request, self._on_response)
         except ConnectionError as exc:
-            raise HopError(f"{engine.name}: {exc}") from None
+            raise HopError(f"{engine.name}: {exc}", engine_away=True) from None
 
     def _on_response(self, result, error: str | None, final: bool) -> None:
-        if error is not None:
-            self.results_queue.put(HopError(f"{self.model}: {error}"))
+        if error is not None:  # the stream broke (it is then marked so first), or the engine server refused
+            away = self.stream.broken is not None or MODEL_NOT_LOADED in error
+            self.results_queue.put(HopError(f"{self.model}: {error}", engine_away=away))
         else:
             ids, params = result.as_numpy("output_ids"), result.as_numpy("context_phase_params")
             if ids is not None or params is not None:
@@ -207,7 +212,7 @@ class Hop:
                     raise Cancelled()
                 dead = [f"{instance} (pid {pid})" for pid, instance in self.pids.items() if not self.liveness.alive(pid)]
                 if dead:
-                    raise HopError(f"{self.model}: engine instance {', '.join(dead)} died while serving this request")
+                    raise HopError(f"{self.model}: engine instance {', '.join(dead)} died while serving this request", engine_away=True)
             if item is None:
                 if now > deadline:
                     raise HopError(f"{self.model}: no response within {timeout_s:g} s")
@@ -611,7 +616,7 @@ class TritonPythonModel:
             found = self._listed(models)
         if not found:
             sources = ", ".join(sorted({self.engine_urls[m] for m in models}))
-            raise HopError(f"{'/'.join(models)}: no replica is serving ({sources}): retry shortly")
+            raise HopError(f"{'/'.join(models)}: no replica is serving ({sources}): retry shortly", engine_away=True)
         return found
 
     def _listed(self, models: list[str]) -> list[Engine]:
@@ -736,7 +741,7 @@ class TritonPythonModel:
                     list(hop.results(STOP_TIMEOUT_S, lambda: False))
                 return
             except HopError as exc:  # decode is being reloaded or restarted: wait for it
-                if not any(m in str(exc) for m in ENGINE_AWAY) or time.monotonic() > deadline:
+                if not exc.engine_away or time.monotonic() > deadline:
                     raise
                 time.sleep(0.25)
             finally:
@@ -789,7 +794,8 @@ class TritonPythonModel:
         pids = {e.load.pid: e.instance for e in published if e.process_alive}
         if published and not pids:
             dead = ", ".join(f"{e.instance} (pid {e.load.pid})" for e in published)
-            raise HopError(f"{'/'.join(models)}: no live engine instance ({dead} died; it is being reloaded): retry shortly")
+            raise HopError(f"{'/'.join(models)}: no live engine instance ({dead} died; it is being reloaded): retry shortly",
+                           engine_away=True)
         return pids
 
     @staticmethod
