@@ -62,6 +62,19 @@ class Sender:
         return got
 
 
+class EngineStream:
+    """Stands in for an orchestrator's shared stream to an engine server, up and silent: takes a hop's
+    request; the test answers through the handler the hop registered."""
+
+    broken = None
+
+    def send(self, request, on_response):
+        self.on_response = on_response
+
+    def forget(self, request_id, on_response):
+        pass
+
+
 PB_UTILS = types.ModuleType("triton_python_backend_utils")
 PB_UTILS.Tensor, PB_UTILS.InferenceResponse, PB_UTILS.TritonError = Tensor, Response, Error
 PB_UTILS.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL

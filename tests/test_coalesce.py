@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stub_helpers import imported_with_stub
+from stub_helpers import EngineStream, imported_with_stub
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +22,9 @@ class Result:
         return None if name != "output_ids" or self.tokens is None else np.asarray([[self.tokens]], dtype=np.int32)
 
 
-class Stream:
-    """Takes the hop's request; the test answers through the handler it registered."""
-
-    def send(self, request, on_response):
-        self.on_response = on_response
-
-    def forget(self, request_id, on_response):
-        pass
-
-
 def _hop(orchestrator, responses: list[list[int]], error: str | None = None):
     """A hop whose engine already sent `responses` (one token list each), then an error or the final one."""
-    stream = Stream()
+    stream = EngineStream()
     hop = orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:8001"), {"input_ids": np.zeros((1, 2), np.int32)}, "r1", "generation_only", "key",
                            orchestrator.load_board.Liveness())
     for tokens in responses:

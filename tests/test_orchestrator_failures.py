@@ -10,13 +10,13 @@ would swallow the exception, and the request (an ensemble's, too) would stay in 
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 
 import numpy as np
 import pytest
-from stub_helpers import Sender, imported_with_stub
+from stub_helpers import EngineStream, Sender, imported_with_stub
 
-from disagg.serve.server import free_ports
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +57,6 @@ def test_a_drain_gives_up_at_once_on_an_error_that_waiting_does_not_mend(orchest
     assert len(tries) == 1
 
 
-class _QuietStream:
-    """A shared engine stream that is up and has not answered yet."""
-
-    broken = None
-
-    def send(self, request, on_response):
-        self.on_response = on_response
-
-    def forget(self, request_id, on_response):
-        pass
-
-
 def _hop(orchestrator, stream):
     inputs = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32)}
     return orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:1"), inputs, "r1", "generation_only", "key",
@@ -87,7 +75,7 @@ def _hop_error(orchestrator, hop) -> Exception:
     ("generation_only: request_output_len 0 must be >= 1", False),
 ])
 def test_an_engine_servers_refusal_means_it_is_coming_back_only_while_the_model_loads(orchestrator, error, away):
-    stream = _QuietStream()
+    stream = EngineStream()
     hop = _hop(orchestrator, stream)
     stream.on_response(None, error, True)
     failed = _hop_error(orchestrator, hop)
@@ -95,16 +83,21 @@ def test_an_engine_servers_refusal_means_it_is_coming_back_only_while_the_model_
 
 
 def test_a_broken_stream_means_the_engine_server_is_coming_back(orchestrator):
-    """A stream to a port where nothing listens breaks, failing the hop on it, and a hop sent on it after."""
-    server = orchestrator.EngineServer(f"127.0.0.1:{free_ports(1)[0]}")
+    """A hop on a stream whose server goes away fails with the stream, and a hop sent on it after is refused."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = orchestrator.EngineServer(f"127.0.0.1:{listener.getsockname()[1]}")
     try:
         stream = server.shared()
-        failed = _hop_error(orchestrator, _hop(orchestrator, stream))
+        hop = _hop(orchestrator, stream)  # sent while the connection is still being made
+        connection, _ = listener.accept()
+        connection.close()  # the server goes away
+        failed = _hop_error(orchestrator, hop)
         assert "stream to the engine server broke: UNAVAILABLE" in str(failed) and failed.engine_away
         with pytest.raises(orchestrator.HopError, match="stream to the engine server broke") as refused:
             _hop(orchestrator, stream)
         assert refused.value.engine_away
     finally:
+        listener.close()
         server.close()
 
 
