@@ -19,6 +19,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from disagg.triton.credential import PARAMETER
+from tools.stream_client import end_stream
 
 LIMITS = {"max_input_len": 256, "max_output_len": 319}  # configs/cpu-tiny.yaml
 
@@ -137,10 +138,7 @@ def _grpc(url: str, bad: BadRequest, internal_key: str) -> str | None:
         refused = error is not None
         return None if error is None else error.message()
     finally:
-        # A refusal ends the request; cancelling the stream after it would keep the model loaded (Triton 2.51,
-        # README "Known problems"). A request that was accepted, or not answered, is cancelled.
-        client.stop_stream(cancel_requests=not refused)
-        client.close()
+        end_stream(client, refused)  # a request accepted, or not answered, is cancelled
 
 
 def send(bad: BadRequest, http_url: str, grpc_url: str, internal_key: str, engine_urls: dict[str, str] | None = None) -> str:

@@ -41,7 +41,7 @@ from disagg.serve.server import free_ports
 from disagg.triton.credential import internal_key
 from disagg.triton.load_board import board_key
 from loadtest.bad_inputs import CATALOG, send
-from tools.stream_client import build_inputs, stream
+from tools.stream_client import build_inputs, end_stream, stream
 
 PROMPTS = ["Call me Ishmael.", "It was the best of times", "In the beginning", "The quick brown fox", "Unicode: café ✓"]
 REQUEST_DEADLINE_S = 30.0
@@ -147,7 +147,7 @@ def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
     'hung' when a response takes longer than REQUEST_DEADLINE_S."""
     client = grpcclient.InferenceServerClient(url)
     got: queue.Queue = queue.Queue()
-    ended = False  # by the server: then nothing is left to cancel (see tools/stream_client.py)
+    ended = False  # by the server: then nothing is left to cancel
     try:
         client.start_stream(callback=lambda result, error: got.put((result, error)))
         client.async_stream_infer(model, build_inputs(prompt, 200, end_id=NO_END_ID), enable_empty_final_response=True)
@@ -165,8 +165,7 @@ def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
     except queue.Empty:
         return "hung"
     finally:
-        client.stop_stream(cancel_requests=not ended)
-        client.close()
+        end_stream(client, ended)
 
 
 def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter, errors: Counter, hung: list,

@@ -75,6 +75,13 @@ class EngineStream:
         pass
 
 
+def decode_hop(orchestrator, stream):
+    """A generation-only hop of request r1 to `decode`, sent on `stream`, run by the orchestrator module
+    imported with this stub."""
+    return orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:8001"), {"input_ids": np.zeros((1, 2), np.int32)},
+                            "r1", "generation_only", "key", orchestrator.load_board.Liveness())
+
+
 PB_UTILS = types.ModuleType("triton_python_backend_utils")
 PB_UTILS.Tensor, PB_UTILS.InferenceResponse, PB_UTILS.TritonError = Tensor, Response, Error
 PB_UTILS.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stub_helpers import EngineStream, imported_with_stub
+from stub_helpers import EngineStream, decode_hop, imported_with_stub
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,7 @@ class Result:
 def _hop(orchestrator, responses: list[list[int]], error: str | None = None):
     """A hop whose engine already sent `responses` (one token list each), then an error or the final one."""
     stream = EngineStream()
-    hop = orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:8001"), {"input_ids": np.zeros((1, 2), np.int32)}, "r1", "generation_only", "key",
-                           orchestrator.load_board.Liveness())
+    hop = decode_hop(orchestrator, stream)
     for tokens in responses:
         stream.on_response(Result(tokens), None, False)
     stream.on_response(None, error, True) if error else stream.on_response(Result(None), None, True)  # the empty final

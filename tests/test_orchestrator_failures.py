@@ -4,8 +4,9 @@ The drain of a handoff whose request failed after prefill (`_drain`) waits for a
 coming back, whether its instance is being reloaded or its whole tritonserver restarted (the soak's SIGSTOP
 fault), and gives up at once on any other error: the prefill engine holds a handoff nobody drains until its
 lease runs out. Which hop errors mean "coming back" (`HopError.engine_away`) is decided where they arise: a
-broken stream, an engine server that has not loaded the model yet. A fault of the orchestrator's own still ends the client's request with an error: its worker
-would swallow the exception, and the request (an ensemble's, too) would stay in flight until the server stops.
+broken stream, an engine server that has not loaded the model yet. A fault of the orchestrator's own still
+ends the client's request with an error: its worker would swallow the exception, and the request (an
+ensemble's, too) would stay in flight until the server stops.
 """
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import threading
 
 import numpy as np
 import pytest
-from stub_helpers import EngineStream, Sender, imported_with_stub
-
+from stub_helpers import EngineStream, Sender, decode_hop, imported_with_stub
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +57,6 @@ def test_a_drain_gives_up_at_once_on_an_error_that_waiting_does_not_mend(orchest
     assert len(tries) == 1
 
 
-def _hop(orchestrator, stream):
-    inputs = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32)}
-    return orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:1"), inputs, "r1", "generation_only", "key",
-                            orchestrator.load_board.Liveness())
-
-
 def _hop_error(orchestrator, hop) -> Exception:
     with pytest.raises(orchestrator.HopError) as failed:
         list(hop.results(5.0, lambda: False))
@@ -76,7 +70,7 @@ def _hop_error(orchestrator, hop) -> Exception:
 ])
 def test_an_engine_servers_refusal_means_it_is_coming_back_only_while_the_model_loads(orchestrator, error, away):
     stream = EngineStream()
-    hop = _hop(orchestrator, stream)
+    hop = decode_hop(orchestrator, stream)
     stream.on_response(None, error, True)
     failed = _hop_error(orchestrator, hop)
     assert str(failed) == f"decode: {error}" and failed.engine_away is away
@@ -88,13 +82,13 @@ def test_a_broken_stream_means_the_engine_server_is_coming_back(orchestrator):
     server = orchestrator.EngineServer(f"127.0.0.1:{listener.getsockname()[1]}")
     try:
         stream = server.shared()
-        hop = _hop(orchestrator, stream)  # sent while the connection is still being made
+        hop = decode_hop(orchestrator, stream)  # sent while the connection is still being made
         connection, _ = listener.accept()
         connection.close()  # the server goes away
         failed = _hop_error(orchestrator, hop)
         assert "stream to the engine server broke: UNAVAILABLE" in str(failed) and failed.engine_away
         with pytest.raises(orchestrator.HopError, match="stream to the engine server broke") as refused:
-            _hop(orchestrator, stream)
+            decode_hop(orchestrator, stream)
         assert refused.value.engine_away
     finally:
         listener.close()

@@ -83,6 +83,15 @@ def build_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, **sa
     return inputs
 
 
+def end_stream(client: grpcclient.InferenceServerClient, request_ended: bool) -> None:
+    """Closes a client's gRPC stream, cancelling its request only if it is still running: a client that gives
+    up cancels, never waits on. One whose request has ended (a final response; an error is one) does not:
+    after a refused request Triton 2.51 then keeps the ensemble loaded, and the next stop waits out its exit
+    timeout (README, Known problems)."""
+    client.stop_stream(cancel_requests=not request_ended)
+    client.close()
+
+
 def stream(
     url: str, model: str, prompt: str | bytes, max_tokens: int, *, streaming: bool = True,
     timeout_s: float = 120.0, on_text: Callable[[str], None] | None = None, **sampling,
@@ -118,10 +127,7 @@ def stream(
                 finished = True
                 break
     finally:
-        # A client that gives up cancels, never waits on. One whose request has ended does not: Triton 2.51
-        # then keeps the ensemble loaded after a refused request, and a stop waits out its exit timeout.
-        client.stop_stream(cancel_requests=not finished)
-        client.close()
+        end_stream(client, finished)
     arrivals = [at for at, text in zip(stamps, chunks) if text]
     return StreamResult(
         text="".join(chunks), chunks=tuple(chunks), timestamps=tuple(stamps),
