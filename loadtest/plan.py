@@ -9,10 +9,11 @@
 1. Builds `--config` and profiles each role's engine on this machine (timed steps, one BLAS thread, as
    the load tests serve: decode steps by batch size, steps with prompt tokens; disagg.planner.profile),
    cached in <build_dir>/planner-profile.json per engine.
-   Then measures what the rest of a deployment costs per output token on this machine's CPU (servers,
-   Python models, the engines' bookkeeping, the client: `python -m disagg.bench front`'s driver with the
-   engines' compute skipped, through `ensemble` and `aggregated`), since here it shares the cores with the
-   engines (disagg.planner.simulate.Host). `--no-host` leaves it out, as for engines on GPUs, and calibration.
+   Then measures what the rest of a deployment costs per output token on this machine's CPU (the servers,
+   the Python models around the engines, the client: `python -m disagg.bench front`'s driver with the
+   engines' compute skipped, through `ensemble` and `aggregated`; not the engine models' own processes,
+   whose work around their steps calibration covers), since here it shares the cores with the engines
+   (disagg.planner.simulate.Host). `--no-host` leaves it out, as for engines on GPUs, and calibration.
    Then calibrates: a few of the workload's requests, sent one at a time through each deployment, scale
    each role's prompt and decode steps by measured over predicted TTFT and TPOT (`--no-calibration`: not).
 2. Simulates every prefill:decode split of `--instances` (and decode batch limits up to the engine's)
@@ -44,10 +45,12 @@ from disagg.planner.plan import Planner, Prediction, Traffic, predict
 from disagg.planner.profile import StepModel, profile_engine
 from disagg.planner.roofline import ACCELERATORS
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest
+from disagg.repository import role_models
 from disagg.spec import DeploymentSpec
 from loadtest import plan_gpus
 from loadtest.compare import THREAD_ENV, compare_spec, run_point
 from loadtest.samples import Sample, read_samples
+from loadtest.server_cpu import ServerCpu
 from loadtest.workload import Workload, load_workload, workload_file, workload_variant
 
 
@@ -82,15 +85,24 @@ FRONT_STEP_MS = 20.0  # an engine step as long as a decode step of bench-100mb h
 FRONT_SECONDS = 5.0
 
 
-def hosts(spec_path: Path, out: Path) -> dict[str, Host]:
+def hosts(spec: DeploymentSpec, out: Path) -> dict[str, Host]:
     """Each kind of deployment on this machine's cores, with its front's CPU per output token."""
     from disagg.bench.front import measure
 
     print(f"plan: measuring the front's CPU per output token ({FRONT_STREAMS} streams, engines skipping compute)", flush=True)
-    rows = measure(spec_path, out, (FRONT_STREAMS,), FRONT_SECONDS, 64, FRONT_STEP_MS, paths=("ensemble", "aggregated"))
+    rows = measure(spec.source, out, (FRONT_STREAMS,), FRONT_SECONDS, 64, FRONT_STEP_MS, paths=("ensemble", "aggregated"))
     cores = len(os.sched_getaffinity(0))
-    per_token = {r.path: sum(r.cpu_ms_per_token.values()) / 1e3 for r in rows}
+    per_token = {r.path: front_s_per_token(r.cpu_ms_per_token, spec) for r in rows}
     return {"disaggregated": Host(cores, per_token["ensemble"]), "aggregated": Host(cores, per_token["aggregated"])}
+
+
+def front_s_per_token(cpu_ms_per_token: dict[str, float], spec: DeploymentSpec) -> float:
+    """The CPU per output token of every process but the stubs of the spec's engine models (`bench front`'s
+    names: "stub <model>"). An engine's own work around its steps (the step loop, its responses) is in its calibrated
+    steps, which scale the profile to the time requests took to serve; and the bench's server also runs,
+    idle, the engines of the deployment it does not measure, whose polling is no cost of the front."""
+    engines = {name for role in spec.roles for name in role_models(spec, role)}
+    return sum(ms for name, ms in cpu_ms_per_token.items() if name.removeprefix("stub ") not in engines) / 1e3
 
 
 CALIBRATION_REQUESTS = 3
@@ -102,14 +114,19 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     the same requests simulated one by one. Prompt steps take the median ratio of measured to predicted TTFT, decode steps
     that of TPOT. It covers what the engine profile, timed in one process, leaves out: the step loop handing
     tokens to Triton, the GIL shared with the model's other threads, the cores shared with the front, and this
-    machine's speed drifting between the profile and the runs."""
+    machine's speed drifting between the profile and the runs. How much of that is CPU is measured too: each
+    engine process's CPU seconds while the requests ran, over its steps' seconds (`StepModel.cpu_per_wall`),
+    since a step that waits leaves its core to the other engines, and one whose process works beside it
+    takes more."""
     path, workload = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
                                       arrival={"users": 1})  # closed loop, one at a time
     steps = dict(planner.steps)
     for kind, deployment, prompt_role, decode_role in (("aggregated", Deployment(aggregated=1), "aggregated", "aggregated"),
                                                        ("disaggregated", Deployment(prefill=1, decode=1), "prefill", "decode")):
-        samples_path, _ = run_point(kind, None, spec, str(path), workload, out)
-        samples = [s for s in read_samples([samples_path]) if s.ok and s.tpot]
+        with ServerCpu() as cpu:
+            samples_path, _ = run_point(kind, None, spec, str(path), workload, out)
+        served = [s for s in read_samples([samples_path]) if s.ok]
+        samples = [s for s in served if s.tpot]
         if not samples:
             raise SystemExit(f"error: calibration: no {kind} request completed with two tokens or more (see {samples_path})")
         predicted = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as served
@@ -117,8 +134,19 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
         tpot = float(np.median([s.tpot / r.tpot for s, r in zip(samples, predicted)]))
         steps[prompt_role] = steps[prompt_role].scaled(prompt=ttft)
         steps[decode_role] = steps[decode_role].scaled(decode=tpot)
+        used = cpu.between(min(s.start_unix for s in served), max(s.start_unix + s.e2e for s in served))
+        busy = {prompt_role: sum(steps[prompt_role].prefill_s(s.prompt_tokens) for s in served)}
+        busy[decode_role] = busy.get(decode_role, 0.0) + sum(
+            steps[decode_role].decode_s(1, s.prompt_tokens + i) for s in served for i in range(1, s.n_out))
+        for role, seconds in busy.items():
+            engine_cpu = sum(used.get(f"stub {model}", 0.0) for model in role_models(spec, role))
+            if not engine_cpu:
+                raise SystemExit(f"error: calibration: no CPU time measured for the {role} engine's process ({kind}, "
+                                 f"processes seen: {', '.join(sorted(used)) or 'none'})")
+            steps[role] = replace(steps[role], cpu_per_wall=engine_cpu / seconds)
         print(f"plan: calibration, {kind}: {len(samples)} requests one at a time served with {ttft:.2f}x the predicted TTFT "
-              f"and {tpot:.2f}x the TPOT: {prompt_role} prompt steps x{ttft:.2f}, {decode_role} decode steps x{tpot:.2f}", flush=True)
+              f"and {tpot:.2f}x the TPOT: {prompt_role} prompt steps x{ttft:.2f}, {decode_role} decode steps x{tpot:.2f}; "
+              + ", ".join(f"the {role} engine kept {steps[role].cpu_per_wall:.2f} of a core busy" for role in busy), flush=True)
     return Planner(steps, planner.limits, planner.handoff_s, planner.hosts, planner.requests, planner.seconds)
 
 
@@ -244,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))
-    shared = {} if a.no_host else hosts(spec.source, a.out / "front")
+    shared = {} if a.no_host else hosts(spec, a.out / "front")
     planner = Planner(profiles(spec), limits_of(spec), handoff(spec), shared)
     if not (a.no_host or a.no_calibration):
         planner = calibrated(planner, spec, workload_path, a.out / "calibration")

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         check_fits(spec, workload)
         build(spec, log=lambda line: print(f"build: {line}", flush=True))
     first = specs[1]
-    planner = Planner(profiles(first), limits_of(first), handoff(first), hosts(first.source, out / "front"))
+    planner = Planner(profiles(first), limits_of(first), handoff(first), hosts(first, out / "front"))
     planner = calibrated(planner, first, workload_path, out / "calibration")
     traffic = traffic_of(workload, None, a.prompt_tokens)
     deployments = [(Deployment(prefill=n, decode=a.instances - n), "disaggregated", spec) for n, spec in specs.items()]

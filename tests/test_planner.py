@@ -14,11 +14,13 @@ from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner.profile import DecodeTable, Linear, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
 from loadtest.compare import compare_spec
-from loadtest.plan import calibrated, check, limits_of, predicted_run, replayed, traffic_of
+from loadtest.plan import calibrated, check, front_s_per_token, limits_of, predicted_run, replayed, traffic_of
+from loadtest.splits import split_spec
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import WORKLOAD_DIR, load_workload
 
 MS = 1e-3
+ROOT = Path(__file__).resolve().parent.parent
 FLAT = StepModel(DecodeTable((1,), (1 * MS,), (0.0,)), Linear(1 * MS, 0.0, 0.0), 0.0)  # every step 1 ms
 
 
@@ -103,6 +105,19 @@ def test_engines_off_the_cpu_leave_the_front_its_cores():
     simulate(Deployment(aggregated=1), {"aggregated": FLAT}, limits, [req], lambda n: 0.0,
              Host(cores=2, front_s_per_token=0.5 * MS, engines_on_cpu=False))
     assert req.token_times == pytest.approx([1.25 * MS, 2.25 * MS, 3.25 * MS])  # 0.5 ms of CPU over 2 cores
+
+
+@pytest.mark.parametrize("cpu_per_wall, step_ms", [(1.0, 2.0), (0.5, 1.0), (1.5, 3.0)])
+def test_a_step_takes_from_a_shared_core_what_its_engine_keeps_busy(cpu_per_wall, step_ms):
+    """Two engines stepping at once on one core, each step 1 ms alone: steps that keep a whole core busy
+    take turns (2 ms each); steps that wait half their time both run as fast as alone; steps whose process
+    keeps 1.5 cores busy (1.5 ms of CPU each) need 3 ms of the one core for the two."""
+    limits = {"aggregated": EngineLimits(max_batch_size=4, max_num_tokens=32, chunked=True, tokens_per_block=16)}
+    steps = {"aggregated": dataclasses.replace(FLAT, cpu_per_wall=cpu_per_wall)}
+    reqs = [SimRequest(0.0, prompt=16, output=3) for _ in range(2)]
+    simulate(Deployment(aggregated=2), steps, limits, reqs, lambda n: 0.0, Host(cores=1, front_s_per_token=0.0))
+    for r in reqs:
+        assert r.token_times == pytest.approx([step_ms * MS * k for k in (1, 2, 3)])
 
 
 def test_a_busy_front_delivers_every_request_s_tokens_in_order():
@@ -212,6 +227,16 @@ def test_scaling_a_step_model_scales_prompt_and_decode_steps_apart():
     assert scaled.fit_error == model.fit_error
 
 
+def test_the_front_s_cpu_leaves_out_every_engine_model_of_both_deployments(tmp_path):
+    """What `bench front` measured by process, in ms per token (one run's figures): the engines' own
+    processes, every instance of them, are left to their calibrated steps."""
+    spec = split_spec(ROOT / "configs/cpu-tiny.yaml", tmp_path, instances=3, prefill=1)  # decode, decode_1
+    measured = {"tritonserver": 0.731, "stub disagg_orchestrator": 0.615, "client": 0.383, "stub postprocessing": 0.302,
+                "stub decode_1": 0.29, "stub decode": 0.232, "stub aggregated_engine": 0.197, "stub prefill": 0.081,
+                "stub aggregated_orchestrator": 0.023, "stub preprocessing": 0.012}
+    assert front_s_per_token(measured, spec) == pytest.approx((0.731 + 0.615 + 0.383 + 0.302 + 0.023 + 0.012) * MS)
+
+
 @pytest.mark.e2e
 def test_calibration_scales_steps_to_the_requests_it_served(cpu_tiny_project, tmp_path):
     """Engines alone (no front in the simulation): every predicted TTFT is prompt steps and every TPOT decode
@@ -229,3 +254,5 @@ def test_calibration_scales_steps_to_the_requests_it_served(cpu_tiny_project, tm
         assert np.median([s.ttft / r.ttft for s, r in zip(samples, after)]) == pytest.approx(1.0)
         assert np.median([s.tpot / r.tpot for s, r in zip(samples, after)]) == pytest.approx(1.0)
         assert np.median([s.ttft / r.ttft for s, r in zip(samples, before)]) != pytest.approx(1.0, rel=0.05)  # 1 ms steps
+    for role in ("prefill", "decode", "aggregated"):  # measured: each engine process's CPU over its steps' time
+        assert 0.05 < tuned.steps[role].cpu_per_wall < 3.0 and tuned.steps[role].cpu_per_wall != 1.0, (role, tuned.steps[role])

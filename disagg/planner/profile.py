@@ -80,6 +80,10 @@ class StepModel:
     decode: DecodeTable
     prompt: Linear
     fit_error: float  # the largest |predicted - measured| / measured over the timed steps
+    # Cores the engine's process keeps busy while a step runs alone: 1 as profiled (one BLAS thread); served,
+    # less where the step loop waits within a step, more where the process's other threads work beside it
+    # (measured by calibration, loadtest.plan.calibrated). What a step takes from cores it shares.
+    cpu_per_wall: float = 1.0
 
     def step_s(self, decodes: int, decode_attended: float, prompt_tokens: int = 0, prompt_attended: float = 0.0) -> float:
         if not prompt_tokens:
@@ -96,7 +100,7 @@ class StepModel:
         """Steps with prompt tokens `prompt` times as long, steps that only generate `decode` times."""
         d, p = self.decode, self.prompt
         table = DecodeTable(d.batches, tuple(v * decode for v in d.base_s), tuple(v * decode for v in d.per_attended_s))
-        return StepModel(table, Linear(p.base_s * prompt, p.per_token_s * prompt, p.per_attended_s * prompt), self.fit_error)
+        return replace(self, decode=table, prompt=Linear(p.base_s * prompt, p.per_token_s * prompt, p.per_attended_s * prompt))
 
     @classmethod
     def from_dict(cls, raw: dict) -> StepModel:

@@ -11,9 +11,10 @@ least loaded decode instance generates the rest. Aggregated: one engine does bot
 With a `Host`, the CPU is shared. Every token then passes through the front (tokenizing, orchestrating,
 detokenizing, streaming, the load generator) at `front_s_per_token` of CPU before its client sees it, in
 order, and engines that compute on the CPU (the reference engine) run their steps on the same cores: the
-runnable work shares them as Linux shares cores between runnable threads (each step one thread, the front
-up to `FRONT_THREADS`). Without one, engines have the machine to themselves and tokens arrive as their
-step ends, as on GPUs with a host whose cores are not the limit. Not modelled: the KV pool's capacity (a
+runnable work shares them as Linux shares cores between runnable threads (a step as many cores as its
+engine keeps busy, `StepModel.cpu_per_wall`; the front up to `FRONT_THREADS`). Without one, engines have
+the machine to themselves and tokens arrive as their step ends, as on GPUs with a host whose cores are
+not the limit. Not modelled: the KV pool's capacity (a
 sequence is admitted whatever its blocks) and network hops.
 """
 from __future__ import annotations
@@ -253,8 +254,9 @@ def simulate(deployment: Deployment, steps: dict[str, StepModel], limits: dict[s
             duration = engine.start_step()
             if duration is None:
                 return
-            if host and host.engines_on_cpu:
-                cpu.jobs.append([duration, 1.0, lambda t: finished(engine, t)])
+            if host and host.engines_on_cpu:  # alone, it ends after `duration`
+                busy = engine.steps.cpu_per_wall
+                cpu.jobs.append([duration * busy, busy, lambda t: finished(engine, t)])
             else:
                 push(now + duration, "step", engine)
 

@@ -139,7 +139,10 @@ class TritonPythonModel:
             unlink_predecessors(lineage)
             self.pool = SharedPool(pool_name(lineage))
         self.metrics = EngineMetrics(self.role, self.instance)
-        self.backend_metrics = BackendMetrics(self.name, str(args["model_version"]))
+        # The backend's gauges are the model's (every instance summed), so one instance publishes them: two
+        # stubs' series of the same labels free one Prometheus series twice as the model unloads (BackendMetrics).
+        first = self.instance == f"{self.name}_0_0"
+        self.backend_metrics = BackendMetrics(self.name, str(args["model_version"])) if first else None
         self.metrics.restarts.set(load_board.restarts(self.board_key).get(self.name, 0))
         if skip_compute():
             pb_utils.Logger.log_warn(f"{self.instance}: {SKIP_COMPUTE_ENV}=1: the forward pass is skipped, tokens are not the model's")
@@ -336,7 +339,7 @@ class TritonPythonModel:
                 self.metrics.store_evictions.set(store.evicted)
             self._publish_load(stats)
             load = load_board.model_load(self.board_key, self.name)  # every instance of the model, this one included
-            if load is not None:
+            if load is not None and self.backend_metrics is not None:
                 self.backend_metrics.update(load, tpb)
 
     def _publish_load(self, stats) -> None:
@@ -351,7 +354,8 @@ class TritonPythonModel:
         self._closed.set()
         self._refresher.join(timeout=5)  # a publish already under way would recreate the entry withdrawn here
         self.metrics.release()
-        self.backend_metrics.release()
+        if self.backend_metrics is not None:
+            self.backend_metrics.release()
         load_board.withdraw(self.board_key, self.name, self.instance)
         kv_index.withdraw(self.board_key, self.name, self.instance)
         self.pulls.shutdown(wait=False, cancel_futures=True)

@@ -136,7 +136,12 @@ class BackendMetrics:
     """The tensorrtllm backend's own gauges, under its names and labels (inflight_batcher_llm/src/
     custom_metrics_reporter/custom_metrics_reporter.cc: families labelled `model` and `version`, one
     series per request_type / kv_cache_block_type), so what reads them (pool replica routing,
-    dashboards) reads either backend alike. The values are the model's, all its instances together."""
+    dashboards) reads either backend alike. The values are the model's, all its instances together, and
+    only the model's first instance publishes them: Triton 2.51's core counts a series' users per family
+    object (core src/metric_family.cc, `MetricFamily::Remove`), while Prometheus hands every stub that asks
+    for the same name and labels the same series; so as a model of several instances unloaded, the first
+    stub's release freed the series and the next freed it again, and tritonserver crashed at stop
+    (`Signal (11)`, `malloc_consolidate(): unaligned fastbin chunk detected`)."""
 
     REQUEST_TYPES = ("active", "max", "scheduled", "context")
     BLOCK_TYPES = ("max", "free", "used", "tokens_per")
