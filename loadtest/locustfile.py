@@ -187,6 +187,8 @@ class TritonStreamUser(FastHttpUser):
         greenlet) is recorded as an error too, so an overloaded run does not report only its survivors."""
         path = f"/v2/models/{PLAN.model}/generate_stream"
         body = {"text_input": request.prompt, "max_tokens": request.max_tokens, "stream": True}
+        if PLAN.workload.exact_output_tokens:
+            body["min_tokens"] = request.max_tokens
         t_chunks: list[float] = []
         chars: list[int] = []
         error, interrupted = None, None

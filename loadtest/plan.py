@@ -50,7 +50,7 @@ from disagg.spec import DeploymentSpec
 from loadtest import plan_gpus
 from loadtest.compare import THREAD_ENV, compare_spec, run_point
 from loadtest.samples import Sample, read_samples
-from loadtest.server_cpu import ServerCpu
+from loadtest.server_cpu import TICK_S, ServerCpu
 from loadtest.workload import Workload, load_workload, workload_file, workload_variant
 
 
@@ -106,6 +106,7 @@ def front_s_per_token(cpu_ms_per_token: dict[str, float], spec: DeploymentSpec) 
 
 
 CALIBRATION_REQUESTS = 3
+MEASURABLE_TICKS = 50  # a role's steps must last this many CPU-clock ticks for its CPU share to be read within 4%
 
 
 def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path) -> Planner:
@@ -117,7 +118,8 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     machine's speed drifting between the profile and the runs. How much of that is CPU is measured too: each
     engine process's CPU seconds while the requests ran, over its steps' seconds (`StepModel.cpu_per_wall`),
     since a step that waits leaves its core to the other engines, and one whose process works beside it
-    takes more."""
+    takes more. The kernel counts CPU time in ticks (10 ms), so a role whose steps took under 50 of them keeps
+    one core, as the print says."""
     path, workload = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
                                       arrival={"users": 1})  # closed loop, one at a time
     steps = dict(planner.steps)
@@ -138,15 +140,21 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
         busy = {prompt_role: sum(steps[prompt_role].prefill_s(s.prompt_tokens) for s in served)}
         busy[decode_role] = busy.get(decode_role, 0.0) + sum(
             steps[decode_role].decode_s(1, s.prompt_tokens + i) for s in served for i in range(1, s.n_out))
+        shares = []
         for role, seconds in busy.items():
+            if seconds < MEASURABLE_TICKS * TICK_S:
+                shares.append(f"the {role} engine's steps took {_ms(seconds)} ms, too short to read its CPU in "
+                              f"{_ms(TICK_S)} ms ticks: taken as one core")
+                continue
             engine_cpu = sum(used.get(f"stub {model}", 0.0) for model in role_models(spec, role))
             if not engine_cpu:
                 raise SystemExit(f"error: calibration: no CPU time measured for the {role} engine's process ({kind}, "
                                  f"processes seen: {', '.join(sorted(used)) or 'none'})")
             steps[role] = replace(steps[role], cpu_per_wall=engine_cpu / seconds)
+            shares.append(f"the {role} engine kept {steps[role].cpu_per_wall:.2f} of a core busy")
         print(f"plan: calibration, {kind}: {len(samples)} requests one at a time served with {ttft:.2f}x the predicted TTFT "
               f"and {tpot:.2f}x the TPOT: {prompt_role} prompt steps x{ttft:.2f}, {decode_role} decode steps x{tpot:.2f}; "
-              + ", ".join(f"the {role} engine kept {steps[role].cpu_per_wall:.2f} of a core busy" for role in busy), flush=True)
+              + ", ".join(shares), flush=True)
     return Planner(steps, planner.limits, planner.handoff_s, planner.hosts, planner.requests, planner.seconds)
 
 

@@ -4,6 +4,7 @@ their stubs are gone by then)."""
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import time
 
@@ -12,6 +13,7 @@ import psutil
 from disagg.bench.front import cpu_seconds
 
 PERIOD_S = 0.05
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")  # the kernel counts a process's CPU time in whole ticks
 
 
 class ServerCpu:

@@ -11,6 +11,7 @@ every run, so the aggregated and disaggregated deployments see identical traffic
     seed: 0
     prompt_tokens: [{weight: 0.7, min: 8, max: 32}, {weight: 0.3, min: 150, max: 200}]
     output_tokens: [{weight: 1.0, min: 32, max: 64}]     # max_tokens per request
+    exact_output_tokens: false        # optional: true sends min_tokens = max_tokens, so end_id ends no answer early
     shared_prefix: {fraction: 0.3, tokens: 24}             # added before the sampled prompt
     arrival: {rate: 2.0, users: 32}   # rate: Poisson requests/s (open loop); no rate: closed loop
     sweep_rates: [1, 2, 4]            # optional: the rates `python -m loadtest compare` sweeps
@@ -82,6 +83,7 @@ class Workload:
     ttft_slo_ms: float
     tpot_slo_ms: float
     sweep_rates: tuple[float, ...] = ()
+    exact_output_tokens: bool = False  # every answer as long as drawn (genai-perf's ignore_eos), not ended by end_id
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -148,6 +150,7 @@ def load_workload(name_or_path: str | Path) -> Workload:
         ttft_slo_ms=float(raw["slo"]["ttft_ms"]),
         tpot_slo_ms=float(raw["slo"]["tpot_ms"]),
         sweep_rates=tuple(float(r) for r in raw.get("sweep_rates", ())),
+        exact_output_tokens=bool(raw.get("exact_output_tokens", False)),
     )
     if not 0 <= workload.shared_prefix_fraction <= 1:
         raise ValueError(f"{path}: shared_prefix.fraction must be in [0, 1]")
