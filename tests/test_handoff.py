@@ -110,6 +110,30 @@ def test_unacknowledged_handoff_is_reclaimed_after_its_lease(factory):
         prefill.close()
 
 
+def test_an_ack_does_not_hold_up_the_next_message_while_its_blocks_wait_for_the_step_in_flight(factory):
+    """A decode instance's claims and acks share one connection. Freeing an acknowledged handoff waits for
+    the prefill engine's step in flight (the engine lock, held here for 2 s as a long prompt's chunk holds
+    it); the next claim and ack answer at once, and the blocks are freed once the step is done."""
+    prefill = Prefill(factory.engine_dir(role="prefill"))
+    puller = KVPuller()
+    stepping = threading.Event()
+    try:
+        first, second = prefill.context("r6", PROMPT, 4), prefill.context("r7", PROMPT, 4)
+        assert prefill.loop.stats().blocks_used == 6
+        step = threading.Thread(target=prefill.loop.call, args=(lambda _engine: (stepping.set(), time.sleep(2.0)),))
+        step.start()
+        assert stepping.wait(5)
+        started = time.monotonic()
+        puller.ack(puller.claim(first))
+        puller.ack(puller.claim(second))
+        answered = time.monotonic() - started
+        step.join()
+        assert answered < 1.0, f"the second handoff's claim and ack waited {answered:.1f} s behind the first's freeing"
+        assert _freed(prefill)
+    finally:
+        prefill.close()
+
+
 def _run(engine: LLMEngine, req_id: str) -> list[int]:
     """Steps `engine` until `req_id` finishes; its new tokens."""
     tokens = []

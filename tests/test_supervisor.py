@@ -45,7 +45,9 @@ def test_a_crash_that_deadlocks_is_killed_and_restarted(tmp_path, monkeypatch, c
     repo = tmp_path / "model_repository"
     repo.mkdir()
     signalled: list[int] = []
-    sup = Supervised("tritonserver of decode", lambda: TritonServer(repo, label="decode", sweeps_deployment=False), signalled)
+    restarts: list[float] = []
+    sup = Supervised("tritonserver of decode", lambda: TritonServer(repo, label="decode", sweeps_deployment=False), signalled,
+                     on_restart=lambda: restarts.append(time.monotonic()))
     sup.server.start().wait_ready(30)
     first = sup.server
     runner = threading.Thread(target=sup.run, args=(30,), daemon=True)
@@ -54,8 +56,9 @@ def test_a_crash_that_deadlocks_is_killed_and_restarted(tmp_path, monkeypatch, c
     try:
         while not (sup.server is not first and sup.server.is_live()) and time.monotonic() - started < 15:
             time.sleep(0.1)
-        assert CRASH_EXIT_S < time.monotonic() - started < CRASH_EXIT_S + 5
+        assert CRASH_EXIT_S < time.monotonic() - started < CRASH_EXIT_S + 3
         assert sup.restarts == 1 and first.process.returncode == -9  # killed: it would never have exited
+        assert len(restarts) == 1  # counted as its engine model's restart
         time.sleep(0.5)  # the supervisor sees it ready too
     finally:
         signalled.append(15)
@@ -63,6 +66,6 @@ def test_a_crash_that_deadlocks_is_killed_and_restarted(tmp_path, monkeypatch, c
         runner.join(15)
     out = capfd.readouterr().out
     assert "[decode] malloc(): unaligned tcache chunk detected\n[decode] Signal (6) received.\n" in out
-    assert re.search(r"^disagg-serve: tritonserver of decode printed 'Signal \(6\) received\.' and is still running [23] s later; killing it$", out, re.M)
+    assert re.search(r"^disagg-serve: tritonserver of decode printed 'Signal \(6\) received\.' and is still running 2 s later; killing it$", out, re.M)
     assert "disagg-serve: tritonserver of decode exited with code -9; starting it again in 0 s (server restart 1)" in out
     assert not runner.is_alive()

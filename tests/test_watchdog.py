@@ -137,3 +137,20 @@ def test_a_dead_entry_replaced_by_a_new_instance_before_its_model_is_ready_is_le
     finally:
         dog.stop()
     assert client.calls == [] and lines == []
+
+
+def test_a_dead_instance_whose_server_crashed_is_left_to_the_server_s_restart(board):
+    """Killing a stub inside an interprocess lock aborts its tritonserver; the supervisor kills and restarts
+    that server with its models, so a reload into it would only make the deployment look ready meanwhile."""
+    dead = board("decode")
+    dead.kill()
+    dead.wait()
+    client, lines = RecordingClient(), []
+    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append, crashed=lambda model: model == "decode").start()
+    try:
+        assert _until(lambda: lines, 5)
+        time.sleep(4 * watchdog.POLL_S)  # said once, not at every poll
+    finally:
+        dog.stop()
+    assert client.calls == [] and load_board.restarts(KEY) == {}
+    assert lines == [f"decode: instance decode_0_0 (pid {dead.pid}) died with its tritonserver, which is to be started again with it"]

@@ -1,7 +1,7 @@
 """Runs an `LLMEngine` on a background thread so a Triton model can submit requests and stream results.
 
-Callers never touch the engine directly: `submit`, `abort` and `release` take the lock, and the loop
-thread calls each request's `on_output(StepOutput)` after every step (outside the lock), so a slow
+Callers never touch the engine directly: `submit`, `abort` and `release` take the lock (a `FairLock`, so
+a caller waits for the step under way, not for a gap between steps), and the loop thread calls each request's `on_output(StepOutput)` after every step (outside the lock), so a slow
 response sender never blocks the engine. A callback that raises aborts its request: the KV is freed.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagg.engine.engine import LLMEngine, Request, StepOutput
+from disagg.engine.fair_lock import FairLock
 
 OnOutput = Callable[[StepOutput], None]
 
@@ -41,7 +42,7 @@ class EngineStats:
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
+        self._lock = FairLock()  # the loop retakes it after every step: callers are served in turn, not starved
         self._wake = threading.Condition(self._lock)
         self._callbacks: dict[str, OnOutput] = {}
         self._stopping = False

@@ -145,7 +145,8 @@ class Servers:
         picked = iter(free_ports(3 * len(engines), exclude=(args.http_port, args.grpc_port, args.metrics_port, args.openai_port)))
         for name in engines:
             ports = (next(picked), next(picked), next(picked))
-            self.engines[name] = Supervised(f"tritonserver of {name}", server(name, ports, [name], {}, "127.0.0.1", []), signalled)
+            self.engines[name] = Supervised(f"tritonserver of {name}", server(name, ports, [name], {}, "127.0.0.1", []), signalled,
+                                            on_restart=lambda name=name: load_board.count_restart(self.key, name))
         urls = ",".join(f"{name}={sup.server.grpc_url}" for name, sup in self.engines.items())
         served = only or _models(self.repository)
         front_models = [m for m in served if m not in self.engines] if isolate else (only or ["*"])
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
         clients = {sup.server.http_url: httpclient.InferenceServerClient(sup.server.http_url) for sup in servers.supervised}
         watchdog = Watchdog(servers.key, lambda model: clients[servers.server_of(model).http_url],
-                            log=lambda line: print(f"{_PREFIX} {line}", flush=True))
+                            log=lambda line: print(f"{_PREFIX} {line}", flush=True),
+                            crashed=lambda model: servers.server_of(model).crashed_at is not None)
 
     entry: list[Path] = []  # this replica's registry entry, while it is listed
 

@@ -7,7 +7,8 @@ answered no liveness probe for HUNG_AFTER_S, is killed first: a crash that deadl
 signal handler (`malloc(): unaligned tcache chunk detected`, then `Signal (6) received.` over and over)
 leaves a process that serves nothing, never exits, and may still answer `/v2/health/live`.
 One told to stop that is still running `--exit-timeout-secs` + STOP_GRACE_S later is killed too.
-Clients (the API, the watchdog, an orchestrator) reach the new server at the same addresses.
+Clients (the API, the watchdog, an orchestrator) reach the new server at the same addresses. An engine
+server's restart counts as a restart of its engine model (`on_restart`), as the watchdog's reloads do.
 """
 from __future__ import annotations
 
@@ -22,15 +23,18 @@ MAX_SERVER_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 HUNG_AFTER_S = 15.0
 CRASH_EXIT_S = 2.0
+POLL_S = 0.25  # how often the process and its fatal-signal line are looked at
+LIVE_PROBE_S = 1.0  # how often it is asked for liveness, an HTTP request
 STOP_GRACE_S = 10.0
 
 
 class Supervised:
     """`new_server()` builds the server (same ports every time); `signalled` is non-empty once a stop was
-    asked for; `name` is how the log calls it."""
+    asked for; `name` is how the log calls it; `on_restart()` is called as a crashed server is started again."""
 
-    def __init__(self, name: str, new_server: Callable[[], TritonServer], signalled: list[int]):
-        self.name, self.new_server, self.signalled = name, new_server, signalled
+    def __init__(self, name: str, new_server: Callable[[], TritonServer], signalled: list[int],
+                 on_restart: Callable[[], None] = lambda: None):
+        self.name, self.new_server, self.signalled, self.on_restart = name, new_server, signalled, on_restart
         self.server = new_server()
         self.restarts = 0
 
@@ -53,16 +57,18 @@ class Supervised:
             time.sleep(delay)
             if self.signalled:
                 return code
+            self.on_restart()
             self.server = self.new_server().start()
             self.server.wait_ready(ready_timeout_s)
             self._log(f"{self.name} ready again")
 
     def _wait(self) -> int:
         server = self.server
-        last_live, stop_asked = time.monotonic(), None
+        last_live = last_probe = time.monotonic()
+        stop_asked = None
         while True:
             try:
-                return server.process.wait(timeout=1.0)
+                return server.process.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
@@ -75,12 +81,14 @@ class Supervised:
                 self._log(f"{self.name} printed {server.crash_line!r} and is still running {now - server.crashed_at:.0f} s later; killing it")
                 server.process.kill()
                 server.crashed_at = None
-            elif server.is_live():
-                last_live = now
-            elif now - last_live > HUNG_AFTER_S:
-                self._log(f"{self.name} has answered no liveness probe for {now - last_live:.0f} s; killing it")
-                server.process.kill()
-                last_live = now
+            elif now - last_probe >= LIVE_PROBE_S:
+                last_probe = now
+                if server.is_live():
+                    last_live = now
+                elif now - last_live > HUNG_AFTER_S:
+                    self._log(f"{self.name} has answered no liveness probe for {now - last_live:.0f} s; killing it")
+                    server.process.kill()
+                    last_live = now
 
     @staticmethod
     def _log(line: str) -> None:

@@ -9,7 +9,10 @@ loads that model through Triton's model-control API (the server must run with
 model that dies again within `STABLE_S` of its last restart waits twice as long as before (1, 2, 4 ... up
 to `MAX_BACKOFF_S`) so a crash loop does not monopolise the server. Each restart is logged and counted
 on the board (`load_board.count_restart`), which the engine models export as the metric
-`disagg_engine_restarts`.
+`disagg_engine_restarts`. An instance that died with its server (killing a stub inside an interprocess lock
+aborts tritonserver: `crashed(model)`) is not reloaded into that server, which is about to be killed and
+started again with its models (disagg/serve/supervisor.py): a reload there would be undone within seconds
+and would make the deployment look ready meanwhile.
 
 A stopped instance (SIGSTOP, state T) is ended after `STOPPED_LIMIT_S` and then reloaded like a dead one.
 Triton 2.51's Python backend cannot take a stub back after a stop: the parent fails its requests after a
@@ -44,10 +47,10 @@ class _History:
 class Watchdog:
     """Polls the board of deployment `key` on a thread of its own and reloads models whose instances died,
     through `client_for(model)` (a tritonclient InferenceServerClient of the server running it). `log(line)`
-    reports each event."""
+    reports each event; `crashed(model)` says whether the server running `model` printed a fatal signal."""
 
-    def __init__(self, key: str, client_for, log=print):
-        self.key, self.client_for, self.log = key, client_for, log
+    def __init__(self, key: str, client_for, log=print, crashed=lambda _model: False):
+        self.key, self.client_for, self.log, self.crashed = key, client_for, log, crashed
         self.history: dict[str, _History] = {}
         self._stopped_since: dict[int, float] = {}  # pid -> when it was first seen stopped
         self._stop = threading.Event()
@@ -99,6 +102,11 @@ class Watchdog:
         h = self.history.setdefault(entry.model, _History())
         if entry.load.pid in h.dead_pids:
             return  # being healed, or waiting out its back-off
+        if self.crashed(entry.model):
+            h.dead_pids.add(entry.load.pid)
+            self.log(f"{entry.model}: instance {entry.instance} (pid {entry.load.pid}) died with its tritonserver, "
+                     "which is to be started again with it")
+            return
         client = self.client_for(entry.model)
         try:
             # A server that is down is restarted by its supervisor; one that is not ready with the model is

@@ -6,13 +6,16 @@ challenge). Messages are JSON, never pickles:
 
     {"op": "claim", "id": ...}  -> the lease is extended while decode copies (shm) ...
     {"op": "fetch", "id": ...}  -> ... or the agent sends the KV wire bytes (tcp)
-    {"op": "ack",   "id": ...}  -> answered at once (the lease held through the copy), then blocks freed
+    {"op": "ack",   "id": ...}  -> answered at once (the lease held through the copy), blocks freed after
 A handoff nobody acknowledges is reclaimed when its lease expires, so a crashed decode or an
-orchestrator that gave up never leaks prefill blocks.
+orchestrator that gave up never leaks prefill blocks. Freeing waits for the engine's step in flight (a
+prompt's chunk: hundreds of ms on a busy CPU), so acknowledged blocks are freed on a thread of their own:
+each decode instance's messages share one connection, and its next claim or ack must not wait behind that.
 """
 from __future__ import annotations
 
 import json
+import queue
 import secrets
 import threading
 import time
@@ -41,6 +44,8 @@ class TransferAgent:
         self.reaping = threading.Lock()
         threading.Thread(target=self._accept, name="kv-agent-accept", daemon=True).start()
         threading.Thread(target=self._reap, name="kv-agent-lease", daemon=True).start()
+        self._acknowledged: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        threading.Thread(target=self._free_acknowledged, name="kv-agent-free", daemon=True).start()
 
     def hold(self, req_id: str, first_token: int) -> ContextPhaseParams:
         """Starts the lease of a finished context-only sequence and describes it for decode."""
@@ -77,6 +82,7 @@ class TransferAgent:
 
     def close(self) -> None:
         self._closed.set()
+        self._acknowledged.put(None)
         self._listener.close()
 
     def _accept(self) -> None:
@@ -105,15 +111,17 @@ class TransferAgent:
                     payload = self.loop.call(lambda e: e.export_kv(req_id).to_bytes())
                     conn.send_bytes(json.dumps({"ok": True, "nbytes": len(payload)}).encode())
                     conn.send_bytes(payload)
-                elif msg.get("op") == "ack":
-                    # The copy is good: its lease held until now. The answer does not wait for the blocks to be
-                    # freed, which waits for the engine's step in flight (seconds for a long prompt on a CPU).
+                elif msg.get("op") == "ack":  # the copy is good: its lease held until now
                     with self._lock:
                         self._leases.pop(req_id, None)
                     conn.send_bytes(b'{"ok": true}')
-                    self.loop.release(req_id)
+                    self._acknowledged.put(req_id)
                 else:
                     conn.send_bytes(b'{"ok": true}')
+
+    def _free_acknowledged(self) -> None:
+        while (req_id := self._acknowledged.get()) is not None:
+            self.loop.release(req_id)
 
     def _reap(self) -> None:
         while not self._closed.wait(min(1.0, self.lease_s / 4)):

@@ -5,7 +5,7 @@ Every series carries `role` and `instance` labels, so a user sees which side is 
     disagg_requests_in_flight / disagg_queue_depth        gauges (queue depth = waiting for KV blocks or a batch slot)
     disagg_kv_handoff_bytes_total / _seconds_total / _count_total / _reclaimed_total   counters
     disagg_ttft_seconds                                   histogram, as the orchestrator sees it
-    disagg_engine_restarts                                gauge: reloads after an instance died (watchdog)
+    disagg_engine_restarts                                gauge: reloads after an instance died (watchdog), restarts of its server
 The families are kept on the object: a Metric dies with its MetricFamily. A model releases them in its
 finalize (`release`): a Metric still held when the stub shuts down is destroyed after the backend's shared
 memory is gone, and Triton 2.51's stub segfaults on its way out (in `Metric::SaveToSharedMemory`; dmesg:
@@ -186,7 +186,7 @@ class EngineMetrics(Metrics):
         self.handoff_seconds = self.counter("disagg_kv_handoff_seconds_total", "Seconds spent pulling KV from prefill")
         self.handoff_count = self.counter("disagg_kv_handoff_count_total", "KV handoffs completed")
         self.reclaimed = self.counter("disagg_kv_handoff_reclaimed_total", "Handoffs freed by lease expiry")
-        self.restarts = self.gauge("disagg_engine_restarts", "Reloads of this engine model after an instance of it died")
+        self.restarts = self.gauge("disagg_engine_restarts", "Reloads of this engine model after an instance of it died, and restarts of its tritonserver")
         self.blocks_cached = self.gauge("disagg_kv_blocks_cached", "KV blocks kept for prefix reuse (enable_kv_cache_reuse)")
         self.reused_blocks = self.gauge("disagg_kv_reused_blocks", "Prompt blocks found cached, since the instance started")
         self.prompt_blocks = self.gauge("disagg_kv_prompt_blocks", "Prompt blocks looked up for reuse, since the instance started")
