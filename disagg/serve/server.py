@@ -350,8 +350,9 @@ class TritonServer:
         return "errors:\n" + "".join(errors) + f"last {lines} lines:\n" + "".join(text[-lines:])
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Polls HTTP `/v2/health/ready` until true; raises ServerError with the log tail if the server
-        exits first or `timeout` seconds pass."""
+        """Polls HTTP `/v2/health/ready` until true and the metrics port accepts connections (Triton starts
+        its metrics service some 40 ms after the HTTP one: a scrape right after ready was refused); raises
+        ServerError with the log tail if the server exits first or `timeout` seconds pass."""
         import tritonclient.http as httpclient
 
         assert self.process is not None, "call start() first"
@@ -363,7 +364,7 @@ class TritonServer:
                 if code is not None:
                     raise ServerError(f"tritonserver exited with code {code} before it was ready:\n{self.log_excerpt()}")
                 try:
-                    if client.is_server_ready():
+                    if client.is_server_ready() and self._metrics_listening():
                         return
                 except Exception:  # noqa: BLE001 - connection refused/reset while it starts up
                     pass
@@ -372,6 +373,15 @@ class TritonServer:
                 time.sleep(0.2)
         finally:
             client.close()
+
+    def _metrics_listening(self) -> bool:
+        if "--allow-metrics=false" in self.extra_args:
+            return True
+        try:
+            socket.create_connection((self.client_host, self.metrics_port), timeout=2.0).close()
+            return True
+        except OSError:
+            return False
 
     def is_live(self, timeout_s: float = 2.0) -> bool:
         """Whether the server answers HTTP `/v2/health/live` within `timeout_s`."""
