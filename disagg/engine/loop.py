@@ -1,8 +1,9 @@
 """Runs an `LLMEngine` on a background thread so a Triton model can submit requests and stream results.
 
 Callers never touch the engine directly: `submit`, `abort` and `release` take the lock (a `FairLock`, so
-a caller waits for the step under way, not for a gap between steps), and the loop thread calls each request's `on_output(StepOutput)` after every step (outside the lock), so a slow
-response sender never blocks the engine. A callback that raises aborts its request: the KV is freed.
+a caller waits for the step under way, not for a gap between steps), and the loop thread calls each
+request's `on_output(StepOutput)` after every step (outside the lock), so a slow response sender never
+blocks the engine. A callback that raises aborts its request: the KV is freed.
 """
 from __future__ import annotations
 
