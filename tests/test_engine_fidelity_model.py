@@ -4,6 +4,7 @@ context_phase_params or are an error, and `stop` requests. Runs the model in-pro
 `triton_python_backend_utils` (Triton's Python stub), real engines and a real transfer agent."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -84,6 +85,25 @@ def instance(engine_model, factory):
         model.loop.stop()
 
 
+def hold_steps(model) -> threading.Semaphore:
+    """Makes each of the instance's engine steps wait for a permit the test releases: its requests stay in
+    flight in the engine (responses go out on a thread of their own, so a held response would not keep them).
+    While a step waits the loop holds its lock: the test reads the pool without it."""
+    permits = threading.Semaphore(0)
+    step = model.loop.engine.step
+
+    def held_step():
+        assert permits.acquire(timeout=10), "no step permit"
+        return step()
+
+    model.loop.engine.step = held_step
+    return permits
+
+
+def blocks_used(model) -> int:
+    return model.loop.engine.blocks.num_used
+
+
 def wait_for(condition) -> None:
     deadline = time.monotonic() + 10
     while not condition():
@@ -162,21 +182,38 @@ def test_a_stop_for_a_request_this_instance_does_not_know_touches_nothing(instan
     """Answered as handleStopRequest does: one empty final response, no error; the request of that id on
     another instance, and everything on this one, runs on."""
     one, other = instance(), instance()
-    gate = threading.Event()
-    live = generate("live", 6, sender=Sender(gate))  # its first response waits: it is in flight for sure
-    neighbour = generate("neighbour", 6, sender=Sender(gate))
+    steps = [hold_steps(one), hold_steps(other)]
+    live, neighbour = generate("live", 6), generate("neighbour", 6)
     one.execute([live])
     other.execute([neighbour])
-    wait_for(lambda: other.loop.stats().blocks_used == one.loop.stats().blocks_used == 3)  # 40 + 6 tokens
+    for permits in steps:
+        permits.release()  # the prompt's step: each request is now in its engine's batch, held there
+    wait_for(lambda: blocks_used(other) == blocks_used(one) == 3)  # 40 + 6 tokens
     for request in (stop("live"), stop("nope")):
         other.execute([request])
         [(response, flags)] = request.sender.until_final()
         assert flags == FINAL and response.error is None and response.outputs == {}
-    assert other.loop.stats().blocks_used == 3
-    gate.set()
+    assert blocks_used(other) == 3
+    for permits in steps:
+        permits.release(10)
     for request in (live, neighbour):
         assert [t for r, _ in request.sender.until_final() for t in ids(r)] == expected
     assert one.loop.stats().blocks_used == other.loop.stats().blocks_used == 0
+
+
+def test_the_engine_steps_on_while_a_response_is_being_sent(instance, expected):
+    """As the tensorrtllm backend's executor, whose steps never wait for Triton (responses go out from the
+    thread of model_instance_state.cc WaitForResponse): a response slow to send does not hold the batch, and
+    the request's responses still come in order."""
+    model = instance()
+    gate = threading.Event()
+    slow = generate("slow", 6, sender=Sender(gate))
+    model.execute([slow])
+    wait_for(lambda: model.loop.stats() == dataclasses.replace(model.loop.stats(), waiting=0, running=0, blocks_used=0))
+    assert slow.sender.sent.empty()  # all six tokens computed and the KV freed, not one response out yet
+    gate.set()
+    got = slow.sender.until_final()
+    assert [t for r, _ in got for t in ids(r)] == expected and len(got) == len(expected)
 
 
 def test_a_stop_without_a_request_id_is_an_error(instance):
@@ -188,13 +225,17 @@ def test_a_stop_without_a_request_id_is_an_error(instance):
 
 def test_a_stop_ends_its_request_with_a_final_response_and_frees_its_kv(instance, expected):
     model = instance()
+    permits = hold_steps(model)
     gate = threading.Event()
-    live = generate("live", 6, sender=Sender(gate))
+    live = generate("live", 6, sender=Sender(gate))  # its first response waits until the stop has ended the stream
     model.execute([live])
-    wait_for(lambda: model.loop.stats().blocks_used == 3)
+    permits.release()
+    wait_for(lambda: blocks_used(model) == 3)
     stopping = threading.Thread(target=model.execute, args=([request := stop("live")],))
-    stopping.start()  # the stop frees the KV, then waits for the stream the gated first response holds
-    wait_for(lambda: model.loop.stats().blocks_used == 0)
+    stopping.start()  # the stop waits for the engine's step under way, frees the KV, then for the held response
+    wait_for(lambda: len(model.loop._lock._waiters) == 1)
+    permits.release()  # that step: the stop's turn comes before the loop's next one
+    wait_for(lambda: blocks_used(model) == 0)
     gate.set()
     stopping.join(10)
     [(response, flags)] = request.sender.until_final()
@@ -207,8 +248,6 @@ def test_a_stop_ends_its_request_with_a_final_response_and_frees_its_kv(instance
 def test_perf_metrics_report_the_kv_blocks_a_request_reused(engine_model, factory):
     """With `return_perf_metrics`, the final response carries the executor's KV cache metrics under TB's
     names (fillTritonResponse): blocks newly allocated, reused from the cache, allocated in all."""
-    import dataclasses
-
     from engine_helpers import LIMITS
 
     model = engine_model.TritonPythonModel.__new__(engine_model.TritonPythonModel)

@@ -34,12 +34,12 @@ class Prefill:
         first = []
 
         def on_output(o):
-            first.append(o.token)
+            first.append(o)
             done.set()
 
         self.loop.submit(Request(req_id, prompt, max_new, "context_only"), on_output)
         assert done.wait(10)
-        return self.agent.hold(req_id, first[0])
+        return self.agent.hold(first[0])
 
     def close(self):
         self.agent.close()

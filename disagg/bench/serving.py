@@ -216,9 +216,9 @@ def _prefill(engine_dir: Path, transport: str):
 def _context(loop: EngineLoop, agent: TransferAgent, req_id: str, tokens: int):
     done, first = threading.Event(), []
     prompt = tuple(int(t) for t in np.random.default_rng(tokens).integers(2, 4000, tokens))
-    loop.submit(Request(req_id, prompt, 2, "context_only"), lambda o: (first.append(o.token), done.set()))
+    loop.submit(Request(req_id, prompt, 2, "context_only"), lambda o: (first.append(o), done.set()))
     done.wait(60)
-    return agent.hold(req_id, first[0])
+    return agent.hold(first[0])
 
 
 def main(argv: list[str] | None = None) -> int:

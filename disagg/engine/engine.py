@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
@@ -120,6 +120,14 @@ class Sequence:
 
 
 @dataclass(frozen=True)
+class HeldKV:
+    """A finished context phase's KV, kept for its handoff: its blocks and the tokens they hold."""
+
+    block_ids: tuple[int, ...]
+    tokens: int
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """One request's result of a step: the tokens not returned before (none when it stopped without a new
     one) and whether it is done."""
@@ -131,6 +139,9 @@ class StepOutput:
     error: str | None = None
     # when it finished: (blocks allocated, of those reused from a cache); bookkeeping, not part of the result
     kv_blocks: tuple[int, int] | None = field(default=None, compare=False)
+    # "context_done": where its prompt's KV is held, as TensorRT-LLM's context-phase result carries its
+    # contextPhaseParams, so a handoff is described without waiting for the engine's next step
+    held: HeldKV | None = field(default=None, compare=False)
 
     @property
     def token(self) -> int | None:
@@ -466,7 +477,7 @@ class LLMEngine:
         del self.running[seq.req_id]
         seq.status = Status.HELD
         self.held[seq.req_id] = seq
-        return self._result(seq, True, "context_done")
+        return replace(self._result(seq, True, "context_done"), held=HeldKV(tuple(seq.block_table), seq.num_cached))
 
     def _finish(self, seq: Sequence, reason: str) -> StepOutput:
         self.running.pop(seq.req_id, None)

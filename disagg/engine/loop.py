@@ -1,12 +1,17 @@
 """Runs an `LLMEngine` on a background thread so a Triton model can submit requests and stream results.
 
 Callers never touch the engine directly: `submit`, `abort` and `release` take the lock (a `FairLock`, so
-a caller waits for the step under way, not for a gap between steps), and the loop thread calls each
-request's `on_output(StepOutput)` after every step (outside the lock), so a slow response sender never
-blocks the engine. A callback that raises aborts its request: the KV is freed.
+a caller waits for the step under way, not for a gap between steps). Each request's `on_output(StepOutput)`
+is called after every step, in order, by a delivery thread of its own, so the loop starts its next step
+while the last one's responses go out: as the tensorrtllm backend sends responses from a thread that
+awaits the executor's (model_instance_state.cc `WaitForResponse`), whose steps never wait for Triton. A
+Python model's response is an IPC round trip to its server, a few per step at least; on the loop thread
+those waits stretched every step wherever the server's process was short of CPU. A callback that raises
+aborts its request: the KV is freed.
 """
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,21 +45,33 @@ class EngineStats:
         return self.waiting + self.running
 
 
+class _Listener:
+    """A request's `on_output` until the request is aborted: outputs still queued for it are then dropped."""
+
+    __slots__ = ("on_output", "active")
+
+    def __init__(self, on_output: OnOutput):
+        self.on_output, self.active = on_output, True
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._lock = FairLock()  # the loop retakes it after every step: callers are served in turn, not starved
         self._wake = threading.Condition(self._lock)
-        self._callbacks: dict[str, OnOutput] = {}
+        self._callbacks: dict[str, _Listener] = {}
+        self._deliveries: queue.SimpleQueue[list[tuple[_Listener, StepOutput]] | None] = queue.SimpleQueue()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._delivery = threading.Thread(target=self._deliver, name="engine-responses", daemon=True)
         self._thread.start()
+        self._delivery.start()
 
     def submit(self, request: Request, on_output: OnOutput) -> None:
         """Validates and queues; raises RequestError (nothing queued) for a bad request."""
         with self._lock:
             self.engine.add_request(request)
-            self._callbacks[request.req_id] = on_output
+            self._callbacks[request.req_id] = _Listener(on_output)
             self._wake.notify()
 
     def begin_import(self, request: Request, on_output: OnOutput) -> list[int] | None:
@@ -62,7 +79,7 @@ class EngineLoop:
         with self._lock:
             blocks = self.engine.begin_import(request)
             if blocks is not None:
-                self._callbacks[request.req_id] = on_output
+                self._callbacks[request.req_id] = _Listener(on_output)
             return blocks
 
     def finish_import(self, req_id: str, copied: bool) -> bool:
@@ -71,14 +88,21 @@ class EngineLoop:
             if running:
                 self._wake.notify()
             else:
-                self._callbacks.pop(req_id, None)
+                self._drop(req_id)
             return running
 
     def abort(self, req_id: str) -> bool:
-        """Cancels a request wherever it is; its callback is not called again."""
+        """Cancels a request wherever it is; its callback is not called again (a call under way ends, and an
+        output that finished the request before the abort is still delivered)."""
         with self._lock:
-            self._callbacks.pop(req_id, None)
+            self._drop(req_id)
             return self.engine.abort(req_id)
+
+    def _drop(self, req_id: str) -> None:
+        """Forgets a request's callback, outputs already queued for it included; the caller holds the lock."""
+        listener = self._callbacks.pop(req_id, None)
+        if listener is not None:
+            listener.active = False
 
     def release(self, req_id: str) -> bool:
         with self._lock:
@@ -112,10 +136,12 @@ class EngineLoop:
         with self._lock:
             self._stopping = True
             for req_id in list(self._callbacks):
+                self._drop(req_id)
                 self.engine.abort(req_id)
-            self._callbacks.clear()
             self._wake.notify()
         self._thread.join(timeout)
+        self._deliveries.put(None)
+        self._delivery.join(timeout)
 
     def _step(self) -> list[StepOutput]:
         """One engine step; if it fails, every request in flight is aborted and told why."""
@@ -135,14 +161,20 @@ class EngineLoop:
                 if self._stopping:
                     return
                 outputs = self._step()
-                deliveries = [(self._callbacks.get(o.req_id), o) for o in outputs]
+                deliveries = [(listener, o) for o in outputs if (listener := self._callbacks.get(o.req_id)) is not None]
                 for o in outputs:
                     if o.finished:
-                        self._callbacks.pop(o.req_id, None)
-            for callback, output in deliveries:
-                if callback is None:
+                        self._callbacks.pop(o.req_id, None)  # its listener stays active for this last delivery
+            if deliveries:
+                self._deliveries.put(deliveries)
+
+    def _deliver(self) -> None:
+        """Calls the listeners of each step's outputs, in step order; one that raises has its request aborted."""
+        while (deliveries := self._deliveries.get()) is not None:
+            for listener, output in deliveries:
+                if not listener.active:
                     continue
                 try:
-                    callback(output)
+                    listener.on_output(output)
                 except Exception:  # noqa: BLE001 - a broken sender must not stop other requests
                     self.abort(output.req_id)

@@ -21,6 +21,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, Listener
 
+from disagg.engine.engine import StepOutput
 from disagg.engine.loop import EngineLoop
 from disagg.transfer.params import ContextPhaseParams
 
@@ -32,6 +33,7 @@ class TransferAgent:
         self.shm_name = shm_name
         self.lease_s = lease_s
         self.token = secrets.token_hex(16)
+        self._num_blocks, self._layout = loop.call(lambda engine: (engine.blocks.num_blocks, engine.layout))
         self._listener = Listener((bind, 0), authkey=self.token.encode())
         host, port = self._listener.address
         self.address = f"{host}:{port}"
@@ -47,26 +49,22 @@ class TransferAgent:
         self._acknowledged: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         threading.Thread(target=self._free_acknowledged, name="kv-agent-free", daemon=True).start()
 
-    def hold(self, req_id: str, first_token: int) -> ContextPhaseParams:
-        """Starts the lease of a finished context-only sequence and describes it for decode."""
-        def describe(engine):
-            seq = engine.held[req_id]
-            return tuple(seq.block_table), seq.num_cached, engine.blocks.num_blocks, engine.layout
-
-        block_ids, prompt_len, num_blocks, layout = self.loop.call(describe)
+    def hold(self, output: StepOutput) -> ContextPhaseParams:
+        """Starts the lease of a finished context-only sequence and describes it for decode, from its
+        context-phase result (the engine is not read: its next step may be under way)."""
         with self._lock:
-            self._leases[req_id] = time.monotonic() + self.lease_s
+            self._leases[output.req_id] = time.monotonic() + self.lease_s
         return ContextPhaseParams(
-            request_id=req_id,
-            first_token=first_token,
-            prompt_len=prompt_len,
+            request_id=output.req_id,
+            first_token=output.token,
+            prompt_len=output.held.tokens,
             agent=self.address,
             token=self.token,
             transport=self.transport,
             shm_name=self.shm_name,
-            block_ids=block_ids,
-            num_blocks=num_blocks,
-            layout=layout,
+            block_ids=output.held.block_ids,
+            num_blocks=self._num_blocks,
+            layout=self._layout,
         )
 
     def drop(self, req_id: str) -> bool:

@@ -281,7 +281,7 @@ class TritonPythonModel:
             self._forget(req_id)
         extra = None
         if out.finish_reason == "context_done":
-            params = self.agent.hold(req_id, out.tokens[-1])
+            params = self.agent.hold(out)
             extra = [_tensor("context_phase_params", np.frombuffer(params.to_bytes(), dtype=np.uint8).reshape(1, -1))]
         elif out.finished and stream.call.request_type == "context_only":
             # Finished in its context phase (end_id, or request_output_len 1): no params. The KV is freed.
