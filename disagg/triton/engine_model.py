@@ -71,10 +71,10 @@ class Stream:
 
     def cancelled(self) -> bool:
         """True once the client has cancelled or the stream is closed. Asks Triton at most every
-        CANCEL_CHECK_S (an IPC round trip, on the engine loop's path for every token), and never once
+        CANCEL_CHECK_S (an IPC round trip, on the path of every token's response), and never once
         the final response is out: the sender's factory is freed then, and asking crashed the server
         (Signal 11 in TRITONBACKEND_ResponseFactoryIsCancelled) when a `stop` closed a stream while
-        the loop thread was checking it."""
+        a response thread was checking it."""
         with self._lock:
             if self.closed or self._cancelled:
                 return True
