@@ -1,9 +1,9 @@
 """A lock handed over in arrival order.
 
-The engine loop takes its lock for every step and, after queueing the step's outputs for delivery, takes it
-again at once. A `threading.Lock` is not fair: a thread blocked on it is woken at the release but must then win the
-GIL, and by then the loop thread, which never gave the GIL up, holds the lock again. A request being
-submitted, a KV handoff reserving blocks or a cancellation could wait out dozens of steps that way (a
+The engine loop takes its lock for every step and, after queueing the step's outputs for delivery, takes
+it again at once. A `threading.Lock` is not fair: a thread blocked on it is woken at the release but must
+then win the GIL, and by then the loop thread, which never gave the GIL up, holds the lock again. A request
+being submitted, a KV handoff reserving blocks or a cancellation could wait out dozens of steps that way (a
 thread that took a plain lock between 10 ms steps waited 124 ms on average and 2.2 s at worst here).
 Here `release` passes the lock straight to the longest waiter, so a caller waits at most the step under way.
 """
