@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
@@ -477,7 +477,7 @@ class LLMEngine:
         del self.running[seq.req_id]
         seq.status = Status.HELD
         self.held[seq.req_id] = seq
-        return replace(self._result(seq, True, "context_done"), held=HeldKV(tuple(seq.block_table), seq.num_cached))
+        return self._result(seq, True, "context_done")
 
     def _finish(self, seq: Sequence, reason: str) -> StepOutput:
         self.running.pop(seq.req_id, None)
@@ -486,10 +486,12 @@ class LLMEngine:
 
     @staticmethod
     def _result(seq: Sequence, finished: bool, reason: str | None = None) -> StepOutput:
-        """The tokens not returned before, and from now on returned."""
+        """The tokens not returned before, and from now on returned; a held sequence's with where its KV is."""
         tokens = tuple(seq.tokens[seq.num_sent :])
         seq.num_sent = len(seq.tokens)
-        return StepOutput(seq.req_id, tokens, finished, reason, kv_blocks=(len(seq.block_table), seq.reused_blocks) if finished else None)
+        held = HeldKV(tuple(seq.block_table), seq.num_cached) if seq.status is Status.HELD else None
+        return StepOutput(seq.req_id, tokens, finished, reason, kv_blocks=(len(seq.block_table), seq.reused_blocks) if finished else None,
+                          held=held)
 
     # -- convenience -----------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:
