@@ -211,9 +211,11 @@ def test_the_engine_steps_on_while_a_response_is_being_sent(instance, expected):
     model.execute([slow])
     wait_for(lambda: model.loop.stats() == dataclasses.replace(model.loop.stats(), waiting=0, running=0, blocks_used=0))
     assert slow.sender.sent.empty()  # all six tokens computed and the KV freed, not one response out yet
+    assert model.loop.stats().delivering == 1  # still the model's until its last response is out (drain counts it)
     gate.set()
     got = slow.sender.until_final()
     assert [t for r, _ in got for t in ids(r)] == expected and len(got) == len(expected)
+    wait_for(lambda: model.loop.stats().delivering == 0)
 
 
 def test_a_stop_without_a_request_id_is_an_error(instance):

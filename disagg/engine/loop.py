@@ -39,6 +39,7 @@ class EngineStats:
     store_hits: int = 0  # prompt blocks imported from the node's store, since the engine started
     tokens_per_block: int = 0
     in_context: int = 0  # in the batch with their prompt not yet all computed
+    delivering: int = 0  # done in the engine (not held), their last response not yet sent: still the model's
 
     @property
     def in_flight(self) -> int:
@@ -61,6 +62,9 @@ class EngineLoop:
         self._wake = threading.Condition(self._lock)
         self._callbacks: dict[str, _Listener] = {}
         self._deliveries: queue.SimpleQueue[list[tuple[_Listener, StepOutput]] | None] = queue.SimpleQueue()
+        # requests done in the engine (not held) whose last output was queued / has been delivered or dropped;
+        # each written by one thread (the loop, the delivery thread), so the difference needs no lock of its own
+        self._finals_queued = self._finals_delivered = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._delivery = threading.Thread(target=self._deliver, name="engine-responses", daemon=True)
@@ -121,7 +125,7 @@ class EngineLoop:
         e = self.engine
         return EngineStats(len(e.waiting), e.num_in_batch, len(e.held), e.blocks.num_used, e.blocks.num_blocks,
                            e.blocks.num_cached, e.reused_blocks, e.prompt_blocks, e.store_hits, e.blocks.tokens_per_block,
-                           e.num_in_context)
+                           e.num_in_context, self._finals_queued - self._finals_delivered)
 
     def cached_blocks(self, since_version: int) -> tuple[int, np.ndarray | None]:
         """The prefix cache's version and, if it changed since `since_version`, its block hashes."""
@@ -165,6 +169,7 @@ class EngineLoop:
                 for o in outputs:
                     if o.finished:
                         self._callbacks.pop(o.req_id, None)  # its listener stays active for this last delivery
+                self._finals_queued += sum(_ends_delivery(o) for _, o in deliveries)
             if deliveries:
                 self._deliveries.put(deliveries)
 
@@ -172,9 +177,16 @@ class EngineLoop:
         """Calls the listeners of each step's outputs, in step order; one that raises has its request aborted."""
         while (deliveries := self._deliveries.get()) is not None:
             for listener, output in deliveries:
-                if not listener.active:
-                    continue
                 try:
-                    listener.on_output(output)
+                    if listener.active:
+                        listener.on_output(output)
                 except Exception:  # noqa: BLE001 - a broken sender must not stop other requests
                     self.abort(output.req_id)
+                finally:
+                    self._finals_delivered += _ends_delivery(output)
+
+
+def _ends_delivery(output: StepOutput) -> bool:
+    """Whether `output` is the last a request delivers while it holds nothing in the engine (a held context
+    phase is counted as held)."""
+    return output.finished and output.held is None

@@ -345,7 +345,8 @@ class TritonPythonModel:
     def _publish_load(self, stats) -> None:
         with self._lock:
             pulling = self._pulling
-        load_board.publish(self.board_key, self.name, self.instance, stats.in_flight + pulling, stats.blocks_total - stats.blocks_used,
+        load_board.publish(self.board_key, self.name, self.instance, stats.in_flight + stats.delivering + pulling,
+                           stats.blocks_total - stats.blocks_used,
                            scheduled=stats.running, in_context=stats.in_context, active=stats.running + pulling,
                            held=stats.held, blocks_total=stats.blocks_total,
                            max_batch_size=self.loop.engine.config.build.max_batch_size)
