@@ -14,8 +14,9 @@
    engines' compute skipped, through `ensemble` and `aggregated`; not the engine models' own processes,
    whose work around their steps calibration covers), since here it shares the cores with the engines
    (disagg.planner.simulate.Host). `--no-host` leaves it out, as for engines on GPUs, and calibration.
-   Then calibrates: a few of the workload's requests, sent one at a time through each deployment, scale
-   each role's prompt and decode steps by measured over predicted TTFT and TPOT (`--no-calibration`: not).
+   Then calibrates: a few of the workload's requests, sent one at a time through each deployment: what
+   they took beyond the simulation, TTFT becomes the deployment's latency and TPOT an overhead on every
+   decode step (`--no-calibration`: not).
 2. Simulates every prefill:decode split of `--instances` (and decode batch limits up to the engine's)
    and the all-aggregated deployment under the workload (disagg.planner.simulate); prints each one's
    goodput (highest rate with >= 90% of requests within both SLOs) per instance and its predicted p50
@@ -110,19 +111,22 @@ MEASURABLE_TICKS = 50  # a role's steps must last this many CPU-clock ticks for 
 
 
 def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path) -> Planner:
-    """The planner with each role's steps scaled to what serving makes of them here and now: a few requests of
-    the workload, sent one at a time through each deployment (one instance per role, a fresh server), against
-    the same requests simulated one by one. Prompt steps take the median ratio of measured to predicted TTFT, decode steps
-    that of TPOT. It covers what the engine profile, timed in one process, leaves out: the step loop handing
-    tokens to Triton, the GIL shared with the model's other threads, the cores shared with the front, and this
-    machine's speed drifting between the profile and the runs. How much of that is CPU is measured too: each
-    engine process's CPU seconds while the requests ran, over its steps' seconds (`StepModel.cpu_per_wall`),
-    since a step that waits leaves its core to the other engines, and one whose process works beside it
-    takes more. The kernel counts CPU time in ticks (10 ms), so a role whose steps took under 50 of them keeps
-    one core, as the print says."""
+    """The planner fitted to what serving adds to the profiled steps here and now: a few requests of the
+    workload, sent one at a time through each deployment (one instance per role, a fresh server), against the
+    same requests simulated one by one. The median of measured minus predicted TTFT becomes the deployment's
+    latency (`Planner.latency_s`: the hops between client and engines, which hold no engine), that of TPOT
+    an overhead added to every decode step (`StepModel.with_decode_overhead`: the step loop's own work, which
+    does hold it). Differences, not ratios: a ratio taken from one-at-a-time requests scaled every step, so
+    queues built on time that was not the engines' and a batch-1 decode step that happened to profile fast
+    stretched the steps of every batch size (replaying the saved `loadtest splits` runs, ratios put p50
+    TTFT within 20% in 9-12 of 27 runs against 17-19 of 27 this way; README, Measure). How much of a served
+    step is CPU is measured too: each engine process's CPU seconds while the requests ran, over its steps'
+    seconds (`StepModel.cpu_per_wall`), since a step that waits leaves its core to the other engines, and
+    one whose process works beside it takes more. The kernel counts CPU time in ticks (10 ms), so a role
+    whose steps took under 50 of them keeps one core, as the print says."""
     path, workload = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
                                       arrival={"users": 1})  # closed loop, one at a time
-    steps = dict(planner.steps)
+    steps, latency = dict(planner.steps), {}
     for kind, deployment, prompt_role, decode_role in (("aggregated", Deployment(aggregated=1), "aggregated", "aggregated"),
                                                        ("disaggregated", Deployment(prefill=1, decode=1), "prefill", "decode")):
         with ServerCpu() as cpu:
@@ -132,10 +136,9 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
         if not samples:
             raise SystemExit(f"error: calibration: no {kind} request completed with two tokens or more (see {samples_path})")
         predicted = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as served
-        ttft = float(np.median([s.ttft / r.ttft for s, r in zip(samples, predicted)]))
-        tpot = float(np.median([s.tpot / r.tpot for s, r in zip(samples, predicted)]))
-        steps[prompt_role] = steps[prompt_role].scaled(prompt=ttft)
-        steps[decode_role] = steps[decode_role].scaled(decode=tpot)
+        latency[kind] = float(np.median([s.ttft - r.ttft for s, r in zip(samples, predicted)]))
+        overhead = float(np.median([s.tpot - r.tpot for s, r in zip(samples, predicted)]))
+        steps[decode_role] = steps[decode_role].with_decode_overhead(overhead)
         used = cpu.between(min(s.start_unix for s in served), max(s.start_unix + s.e2e for s in served))
         busy = {prompt_role: sum(steps[prompt_role].prefill_s(s.prompt_tokens) for s in served)}
         busy[decode_role] = busy.get(decode_role, 0.0) + sum(
@@ -152,10 +155,11 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
                                  f"processes seen: {', '.join(sorted(used)) or 'none'})")
             steps[role] = replace(steps[role], cpu_per_wall=engine_cpu / seconds)
             shares.append(f"the {role} engine kept {steps[role].cpu_per_wall:.2f} of a core busy")
-        print(f"plan: calibration, {kind}: {len(samples)} requests one at a time served with {ttft:.2f}x the predicted TTFT "
-              f"and {tpot:.2f}x the TPOT: {prompt_role} prompt steps x{ttft:.2f}, {decode_role} decode steps x{tpot:.2f}; "
-              + ", ".join(shares), flush=True)
-    return Planner(steps, planner.limits, planner.handoff_s, planner.hosts, planner.requests, planner.seconds)
+        print(f"plan: calibration, {kind}: {len(samples)} requests one at a time served with TTFT {_signed_ms(latency[kind])} and "
+              f"TPOT {_signed_ms(overhead)} against the simulation: its tokens reach the client {abs(latency[kind]) * 1e3:.1f} ms "
+              f"{'later' if latency[kind] >= 0 else 'sooner'} than simulated, "
+              f"the {decode_role} engine's decode steps {_signed_ms(overhead)} each; " + ", ".join(shares), flush=True)
+    return Planner(steps, planner.limits, planner.handoff_s, planner.hosts, planner.requests, planner.seconds, latency)
 
 
 def limits_of(spec: DeploymentSpec) -> dict[str, EngineLimits]:
@@ -179,6 +183,10 @@ def handoff(spec: DeploymentSpec):
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.0f}"
+
+
+def _signed_ms(s: float) -> str:
+    return f"{s * 1e3:+.1f} ms"
 
 
 def print_plan(planner: Planner, instances: int, traffic: Traffic) -> None:
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("results/plan"), help="where the equal-budget spec is written")
     p.add_argument("--no-host", action="store_true", help="simulate the engines alone: no front, no shared cores (as on GPUs); "
                    "no calibration")
-    p.add_argument("--no-calibration", action="store_true", help="the engines' steps as profiled, not scaled to requests served")
+    p.add_argument("--no-calibration", action="store_true", help="the engines' steps as profiled, without what serving adds to them")
     p.add_argument("--gpu", help=f"a TensorRT-LLM spec: the GPU whose datasheet the step times come from ({', '.join(ACCELERATORS)}; "
                    "default: NVML's first GPU)")
     p.add_argument("--model-config", type=Path, help="a TensorRT-LLM spec: the model's config.json, where model.path has none")

@@ -216,15 +216,29 @@ def test_a_request_that_did_not_finish_is_replayed_whole_and_left_out_of_the_lat
     assert capsys.readouterr().out.count("no request finished in the measured run") == 2
 
 
-def test_scaling_a_step_model_scales_prompt_and_decode_steps_apart():
+def test_a_decode_overhead_lengthens_every_decode_step_alike_and_leaves_prompt_steps():
     model = StepModel(DecodeTable((1, 8), (4 * MS, 10 * MS), (6e-6, 5e-6)), Linear(2 * MS, 170e-6, 1e-9), 0.1)
-    scaled = model.scaled(prompt=2.0, decode=1.5)
-    assert scaled.prefill_s(512) == pytest.approx(2.0 * model.prefill_s(512))
-    assert scaled.decode_s(4, 900) == pytest.approx(1.5 * model.decode_s(4, 900))
-    # a chunk beside decodes: its matmuls as a prompt step, the decodes' attention as decode steps
-    mixed = model.step_s(4, 3600.0, 256, 256 * 128.5) - model.decode.per_attended(4) * 3600.0
-    assert scaled.step_s(4, 3600.0, 256, 256 * 128.5) == pytest.approx(2.0 * mixed + 1.5 * model.decode.per_attended(4) * 3600.0)
-    assert scaled.fit_error == model.fit_error
+    slower = model.with_decode_overhead(3 * MS)
+    for batch in (1, 4, 8, 16):  # 3 ms more at every batch size, not a share of the step
+        assert slower.decode_s(batch, 900) == pytest.approx(model.decode_s(batch, 900) + 3 * MS)
+    assert slower.prefill_s(512) == model.prefill_s(512)
+    assert slower.step_s(4, 3600.0, 256, 256 * 128.5) == model.step_s(4, 3600.0, 256, 256 * 128.5)  # a chunk beside decodes
+    assert slower.fit_error == model.fit_error
+    faster = model.with_decode_overhead(-5 * MS)  # never under a tenth of the profiled step
+    assert faster.decode.base_s == pytest.approx((0.4 * MS, 5 * MS))
+
+
+def test_a_deployment_s_latency_delays_its_tokens_and_holds_no_engine():
+    limits = {"aggregated": EngineLimits(8, 64, False, 16)}
+    reqs = [SimRequest(0.0, 4, 3), SimRequest(0.0, 4, 3)]
+    plain = Planner({"aggregated": FLAT}, limits, lambda n: 0.0).replay(Deployment(aggregated=1), [dataclasses.replace(r, token_times=[]) for r in reqs])
+    late = Planner({"aggregated": FLAT}, limits, lambda n: 0.0, latency_s={"aggregated": 0.25}).replay(Deployment(aggregated=1), reqs)
+    for p, r in zip(plain, late):
+        assert r.token_times == pytest.approx([t + 0.25 for t in p.token_times])
+    assert plain[0].token_times == pytest.approx([1 * MS, 2 * MS, 3 * MS])  # both in one batch: the latency queued nothing
+    disaggregated = Planner({"prefill": FLAT, "decode": FLAT}, {"prefill": limits["aggregated"], "decode": limits["aggregated"]},
+                            lambda n: 0.0, latency_s={"aggregated": 0.25}).replay(Deployment(prefill=1, decode=1), [SimRequest(0.0, 4, 2)])
+    assert disaggregated[0].ttft == pytest.approx(1 * MS)  # another kind's latency
 
 
 def test_the_front_s_cpu_leaves_out_every_engine_model_of_both_deployments(tmp_path):
@@ -238,9 +252,9 @@ def test_the_front_s_cpu_leaves_out_every_engine_model_of_both_deployments(tmp_p
 
 
 @pytest.mark.e2e
-def test_calibration_scales_steps_to_the_requests_it_served(cpu_tiny_project, tmp_path, capsys):
-    """Engines alone (no front in the simulation): every predicted TTFT is prompt steps and every TPOT decode
-    steps, so after calibration the median of measured over predicted is exactly 1 for both. Outputs of 260+
+def test_calibration_fits_the_planner_to_the_requests_it_served(cpu_tiny_project, tmp_path, capsys):
+    """Engines alone (no front in the simulation): every predicted TTFT is prompt steps plus the latency and
+    every TPOT decode steps, so after calibration the median of measured minus predicted is 0 for both. Outputs of 260+
     tokens give the decoding engines over half a second of steps, long enough to read their CPU; the tiny
     model's prompts take milliseconds, too short, so the prefill engine keeps one core."""
     workload, _ = workload_variant(WORKLOAD_DIR / "quick.yaml", tmp_path, "long", prompt_tokens=[{"weight": 1.0, "min": 8, "max": 16}],
@@ -256,9 +270,10 @@ def test_calibration_scales_steps_to_the_requests_it_served(cpu_tiny_project, tm
         assert len(samples) == 3
         before = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as it was served
         after = [tuned.replay(deployment, replayed([s]))[0] for s in samples]
-        assert np.median([s.ttft / r.ttft for s, r in zip(samples, after)]) == pytest.approx(1.0)
-        assert np.median([s.tpot / r.tpot for s, r in zip(samples, after)]) == pytest.approx(1.0)
+        assert np.median([s.ttft - r.ttft for s, r in zip(samples, after)]) == pytest.approx(0.0, abs=1e-9)
+        assert np.median([s.tpot - r.tpot for s, r in zip(samples, after)]) == pytest.approx(0.0, abs=1e-9)
         assert np.median([s.ttft / r.ttft for s, r in zip(samples, before)]) != pytest.approx(1.0, rel=0.05)  # 1 ms steps
+        assert tuned.latency_s[kind] == pytest.approx(np.median([s.ttft - r.ttft for s, r in zip(samples, before)]))
     for role in ("decode", "aggregated"):  # measured: each engine process's CPU over its steps' time
         assert 0.2 < tuned.steps[role].cpu_per_wall < 2.0 and tuned.steps[role].cpu_per_wall != 1.0, (role, tuned.steps[role])
     assert tuned.steps["prefill"].cpu_per_wall == 1.0

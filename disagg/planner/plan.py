@@ -84,20 +84,28 @@ def best_first(options: list, shorter_steps: Callable) -> list:
 
 class Planner:
     """`hosts`: the CPU each kind of deployment ("aggregated", "disaggregated") runs on, with its front's cost
-    per token (None: engines alone, no front). `requests` and `seconds`: each simulated run sends as many requests
-    as arrive in that long at its rate, at least `requests`."""
+    per token (None: engines alone, no front). `latency_s`: per kind, how much later than simulated each token
+    reaches its client (the hops around the engines, which take no engine's time; calibration measures it).
+    `requests` and `seconds`: each simulated run sends as many requests as arrive in that long at its rate, at
+    least `requests`."""
 
     def __init__(self, steps: dict[str, StepModel], limits: dict[str, EngineLimits], handoff_s: Callable[[int], float],
-                 hosts: dict[str, Host] | None = None, requests: int = SIMULATED_REQUESTS, seconds: float = SIMULATED_SECONDS):
+                 hosts: dict[str, Host] | None = None, requests: int = SIMULATED_REQUESTS, seconds: float = SIMULATED_SECONDS,
+                 latency_s: dict[str, float] | None = None):
         self.steps, self.limits, self.handoff_s, self.hosts = steps, limits, handoff_s, hosts or {}
-        self.requests, self.seconds = requests, seconds
+        self.requests, self.seconds, self.latency_s = requests, seconds, latency_s or {}
 
     def replay(self, deployment: Deployment, requests: list[SimRequest], decode_batch: int | None = None) -> list[SimRequest]:
         """Given requests (a measured run's, say) through the deployment, with decode's batch limit if given."""
         limits = self.limits
         if decode_batch is not None:
             limits = {**limits, "decode": replace(limits["decode"], max_batch_size=decode_batch)}
-        return simulate(deployment, self.steps, limits, requests, self.handoff_s, self.hosts.get(deployment.kind))
+        served = simulate(deployment, self.steps, limits, requests, self.handoff_s, self.hosts.get(deployment.kind))
+        latency = self.latency_s.get(deployment.kind, 0.0)
+        if latency:
+            for request in served:
+                request.token_times[:] = [t + latency for t in request.token_times]
+        return served
 
     def run(self, deployment: Deployment, traffic: Traffic, rate: float, decode_batch: int | None = None) -> list[SimRequest]:
         count = max(self.requests, int(rate * self.seconds))

@@ -96,11 +96,12 @@ class StepModel:
     def decode_s(self, batch: int, context: float) -> float:
         return self.step_s(batch, batch * context)
 
-    def scaled(self, prompt: float = 1.0, decode: float = 1.0) -> StepModel:
-        """Steps with prompt tokens `prompt` times as long, steps that only generate `decode` times."""
-        d, p = self.decode, self.prompt
-        table = DecodeTable(d.batches, tuple(v * decode for v in d.base_s), tuple(v * decode for v in d.per_attended_s))
-        return replace(self, decode=table, prompt=Linear(p.base_s * prompt, p.per_token_s * prompt, p.per_attended_s * prompt))
+    def with_decode_overhead(self, seconds: float) -> StepModel:
+        """Steps that only generate `seconds` longer each, whatever their batch (shorter where negative, never
+        under a tenth of the profiled step); steps with prompt tokens as they were."""
+        d = self.decode
+        base = tuple(max(v + seconds, 0.1 * v) for v in d.base_s)
+        return replace(self, decode=DecodeTable(d.batches, base, d.per_attended_s))
 
     @classmethod
     def from_dict(cls, raw: dict) -> StepModel:
