@@ -2,12 +2,16 @@
 and `python -m disagg.bench front` measures every path on a real tritonserver."""
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from engine_helpers import EngineFactory
 
-from disagg.bench.front import PATHS, Flight, measure
+from disagg.bench.front import PATHS, PROMPT, Driver, Flight, front_spec, measure, skipped_compute
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.sampling import NO_END_ID
 
@@ -64,3 +68,36 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     assert by["prefill + decode"]["stub disagg_orchestrator"] < 0.2 * by["ensemble"]["stub disagg_orchestrator"], by
     assert by["prefill + decode"]["stub postprocessing"] < 0.2 * by["ensemble"]["stub postprocessing"], by
     assert by["aggregated"]["stub aggregated_orchestrator"] > 0.05 and by["aggregated"]["stub aggregated_engine"] > 0.01, by["aggregated"]
+
+
+def test_the_driver_lets_go_of_a_server_that_stopped_answering(tmp_path):
+    """A crashed tritonserver can deadlock in its signal handler, alive and silent (README, Known problems).
+    The bench's client must then cancel its stream, not wait for the server to end it: it did wait, for
+    good, after such a crash in a 256-stream run."""
+    from disagg.cli import build
+    from disagg.serve.server import TritonServer
+    from disagg.text import encode_prompt, load_tokenizer
+
+    spec = front_spec(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", 2)
+    build(spec, log=lambda _line: None)
+    ids = encode_prompt(load_tokenizer(spec.model.path), PROMPT)
+    with skipped_compute(20.0), TritonServer(spec.model_repository, log_path=tmp_path / "server.log") as server:
+        driver = Driver(server.grpc_url, server.internal_key, ids, 200, server.process.pid)
+        with driver._lock:  # one request of 200 tokens at 20 ms a step: 4 s of streaming
+            driver._reset("aggregated_engine", time.perf_counter() + 60)
+            driver._send_new(time.perf_counter())
+        deadline = time.monotonic() + 30
+        while not any(f.stamps for f in driver.flights.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(f.stamps for f in driver.flights.values()), "no token streamed"
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            closing = threading.Thread(target=driver.close, daemon=True)
+            started = time.monotonic()
+            closing.start()
+            closing.join(10)
+            assert not closing.is_alive(), "the driver waited on a server that no longer answers"
+            assert time.monotonic() - started < 5
+            assert driver.errors == 1 and not driver.flights  # cut off mid-answer, counted as failed, nothing sent after
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)

@@ -45,7 +45,7 @@ import yaml
 from disagg.engine.no_compute import SKIP_COMPUTE_ENV, STEP_MS_ENV
 from disagg.engine.sampling import NO_END_ID
 from disagg.triton.credential import PARAMETER
-from tools.stream_client import build_inputs
+from tools.stream_client import build_inputs, end_stream
 
 LEVELS = (1, 16, 64, 256)
 PATHS = ("ensemble", "tensorrt_llm_bls", "prefill + decode", "aggregated", "aggregated_engine")
@@ -187,8 +187,11 @@ class Driver:
         return Level(path, streams, self.tokens_in_window / seconds, med(self.ttfts), med(self.gaps), med(self.per_token), len(self.ttfts), self.errors, cpu)
 
     def close(self) -> None:
-        self.client.stop_stream()
-        self.client.close()
+        """Ends the stream, cancelling it only while requests are in flight: a server that has stopped
+        answering (a crashed one can deadlock in its signal handler) would never end it."""
+        with self._lock:
+            ended, self.until = not self.flights, 0.0  # and no request sent after this
+        end_stream(self.client, request_ended=ended)
 
     # -- under the lock, from run() or the stream's callback thread ----------------------------------
     def _send_new(self, now: float) -> None:
@@ -298,6 +301,8 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                     rows.append(driver.run(path, streams, seconds))
                     r = rows[-1]
                     print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; the server's log ({server.log_path}):\n{server.log_excerpt(5)}") from exc
         finally:
             driver.close()
     return rows
