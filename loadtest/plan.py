@@ -16,7 +16,8 @@
    (disagg.planner.simulate.Host). `--no-host` leaves it out, as for engines on GPUs, and calibration.
    Then calibrates: a few of the workload's requests, sent one at a time through each deployment: what
    they took beyond the simulation, TTFT becomes the deployment's latency and TPOT an overhead on every
-   decode step (`--no-calibration`: not).
+   decode step; then a batch sent at once: what its TPOT took beyond that, a cost per generating sequence
+   in every step (`--no-calibration`: not).
 2. Simulates every prefill:decode split of `--instances` (and decode batch limits up to the engine's)
    and the all-aggregated deployment under the workload (disagg.planner.simulate); prints each one's
    goodput (highest rate with >= 90% of requests within both SLOs) per instance and its predicted p50
@@ -107,59 +108,121 @@ def front_s_per_token(cpu_ms_per_token: dict[str, float], spec: DeploymentSpec) 
 
 
 CALIBRATION_REQUESTS = 3
+CALIBRATION_BATCH = 24  # requests sent at once: decode batches about as large as the workloads' rates build here
+CALIBRATION_PROMPT_TOKENS = 32  # their prompts, short: the batch forms at once and its steps decode, as under load
+MAX_PER_SEQUENCE_S = 0.05  # where the search for the cost per generating sequence gives up
 MEASURABLE_TICKS = 50  # a role's steps must last this many CPU-clock ticks for its CPU share to be read within 4%
 
 
 def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path) -> Planner:
-    """The planner fitted to what serving adds to the profiled steps here and now: a few requests of the
-    workload, sent one at a time through each deployment (one instance per role, a fresh server), against the
-    same requests simulated one by one. The median of measured minus predicted TTFT becomes the deployment's
-    latency (`Planner.latency_s`: the hops between client and engines, which hold no engine), that of TPOT
-    an overhead added to every decode step (`StepModel.with_decode_overhead`: the step loop's own work, which
-    does hold it). Differences, not ratios: a ratio taken from one-at-a-time requests scaled every step, so
-    queues built on time that was not the engines' and a batch-1 decode step that happened to profile fast
-    stretched the steps of every batch size (replaying the saved `loadtest splits` runs, ratios put p50
-    TTFT within 20% in 9-12 of 27 runs against 17-19 of 27 this way; README, Measure). How much of a served
-    step is CPU is measured too: each engine process's CPU seconds while the requests ran, over its steps'
-    seconds (`StepModel.cpu_per_wall`), since a step that waits leaves its core to the other engines, and
-    one whose process works beside it takes more. The kernel counts CPU time in ticks (10 ms), so a role
-    whose steps took under 50 of them keeps one core, as the print says."""
-    path, workload = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
-                                      arrival={"users": 1})  # closed loop, one at a time
-    steps, latency = dict(planner.steps), {}
+    """The planner fitted to what serving adds to the profiled steps here and now, for each deployment (one
+    instance per role, a fresh server per run), in two runs of the workload's requests.
+
+    First a few requests, one at a time, against the same requests simulated one by one. The median of
+    measured minus predicted TTFT becomes the deployment's latency (`Planner.latency_s`: the hops between
+    client and engines, which hold no engine), that of TPOT an overhead added to every decode step
+    (`StepModel.with_decode_overhead`: the step loop's own work, which does hold it). Differences, not ratios:
+    a ratio taken from one-at-a-time requests scaled every step, so queues built on time that was not the
+    engines' and a batch-1 decode step that happened to profile fast stretched the steps of every batch size
+    (replaying the saved `loadtest splits` runs, ratios put p50 TTFT within 20% in 9-12 of 27 runs against
+    17-19 of 27 this way; README, Measure). How much of a served step is CPU is measured too: each engine
+    process's CPU seconds while the requests ran, over its steps' seconds (`StepModel.cpu_per_wall`), since a
+    step that waits leaves its core to the other engines, and one whose process works beside it takes more.
+    The kernel counts CPU time in ticks (10 ms), so a role whose steps took under 50 of them keeps one core,
+    as the print says.
+
+    Then a batch of requests sent at once, with short prompts and answers as long as the workload's (every
+    token generated): the cost per generating sequence (`StepModel.per_sequence_s`) that makes their
+    simulated median TPOT the measured one. What serving adds to a step grows with its batch: every
+    sequence's response leaves through the engine's process each step, and the more tokens a second the
+    front handles beside the step, the more its memory traffic slows the step's (a decode step timed beside
+    a process streaming memory ran 1.3-2.5x; README, Measure). One request at a time cannot show it; under
+    load the decode steps of the saved splits runs took 1.2-1.8x their profiled time from batch 8 on, with no
+    prefill beside them."""
+    alone_path, _ = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
+                                     arrival={"users": 1})  # closed loop, one at a time
+    batch = min(CALIBRATION_BATCH, spec.roles["decode"].max_batch_size, spec.roles["aggregated"].max_batch_size)
+    shortest = min(CALIBRATION_PROMPT_TOKENS, *(b.min for b in load_workload(workload_path).prompt_tokens))
+    batch_path, _ = workload_variant(workload_path, out, "calibration-batch", max_requests=batch, duration_s=120,
+                                     arrival={"users": batch},  # closed loop, all at once
+                                     prompt_tokens=[{"weight": 1.0, "min": shortest, "max": shortest}], exact_output_tokens=True)
     for kind, deployment, prompt_role, decode_role in (("aggregated", Deployment(aggregated=1), "aggregated", "aggregated"),
                                                        ("disaggregated", Deployment(prefill=1, decode=1), "prefill", "decode")):
-        with ServerCpu() as cpu:
-            samples_path, _ = run_point(kind, None, spec, str(path), workload, out)
-        served = [s for s in read_samples([samples_path]) if s.ok]
-        samples = [s for s in served if s.tpot]
-        if not samples:
-            raise SystemExit(f"error: calibration: no {kind} request completed with two tokens or more (see {samples_path})")
-        predicted = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as served
-        latency[kind] = float(np.median([s.ttft - r.ttft for s, r in zip(samples, predicted)]))
-        overhead = float(np.median([s.tpot - r.tpot for s, r in zip(samples, predicted)]))
-        steps[decode_role] = steps[decode_role].with_decode_overhead(overhead)
-        used = cpu.between(min(s.start_unix for s in served), max(s.start_unix + s.e2e for s in served))
-        busy = {prompt_role: sum(steps[prompt_role].prefill_s(s.prompt_tokens) for s in served)}
-        busy[decode_role] = busy.get(decode_role, 0.0) + sum(
-            steps[decode_role].decode_s(1, s.prompt_tokens + i) for s in served for i in range(1, s.n_out))
-        shares = []
-        for role, seconds in busy.items():
-            if seconds < MEASURABLE_TICKS * TICK_S:
-                shares.append(f"the {role} engine's steps took {_ms(seconds)} ms, too short to read its CPU in "
-                              f"{_ms(TICK_S)} ms ticks: taken as one core")
-                continue
-            engine_cpu = sum(used.get(f"stub {model}", 0.0) for model in role_models(spec, role))
-            if not engine_cpu:
-                raise SystemExit(f"error: calibration: no CPU time measured for the {role} engine's process ({kind}, "
-                                 f"processes seen: {', '.join(sorted(used)) or 'none'})")
-            steps[role] = replace(steps[role], cpu_per_wall=engine_cpu / seconds)
-            shares.append(f"the {role} engine kept {steps[role].cpu_per_wall:.2f} of a core busy")
-        print(f"plan: calibration, {kind}: {len(samples)} requests one at a time served with TTFT {_signed_ms(latency[kind])} and "
-              f"TPOT {_signed_ms(overhead)} against the simulation: its tokens reach the client {abs(latency[kind]) * 1e3:.1f} ms "
-              f"{'later' if latency[kind] >= 0 else 'sooner'} than simulated, "
-              f"the {decode_role} engine's decode steps {_signed_ms(overhead)} each; " + ", ".join(shares), flush=True)
-    return Planner(steps, planner.limits, planner.handoff_s, planner.hosts, planner.requests, planner.seconds, latency)
+        planner = _fitted_alone(planner, spec, alone_path, out, kind, deployment, prompt_role, decode_role)
+        samples_path, _ = run_point(kind, None, spec, str(batch_path), load_workload(batch_path), out)
+        together = read_samples([samples_path])
+        per_sequence, measured, simulated = per_sequence_cost(planner, deployment, decode_role, together)
+        planner = planner.adjusted({decode_role: replace(planner.steps[decode_role], per_sequence_s=per_sequence)})
+        print(f"plan: calibration, {kind}: {len(together)} requests sent at once served with median TPOT {_ms(measured)} ms "
+              f"against {_ms(simulated)} ms simulated: the {decode_role} engine's steps take {per_sequence * 1e3:.2f} ms more "
+              "for each generating sequence after the first", flush=True)
+    return planner
+
+
+def _fitted_alone(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path, kind: str, deployment: Deployment,
+                  prompt_role: str, decode_role: str) -> Planner:
+    """`calibrated`'s first run, one request at a time: the deployment's latency, its decode steps' overhead and
+    its engines' CPU per second of step."""
+    with ServerCpu() as cpu:
+        samples_path, _ = run_point(kind, None, spec, str(workload_path), load_workload(workload_path), out)
+    served = [s for s in read_samples([samples_path]) if s.ok]
+    samples = [s for s in served if s.tpot]
+    if not samples:
+        raise SystemExit(f"error: calibration: no {kind} request completed with two tokens or more (see {samples_path})")
+    predicted = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as served
+    latency = float(np.median([s.ttft - r.ttft for s, r in zip(samples, predicted)]))
+    overhead = float(np.median([s.tpot - r.tpot for s, r in zip(samples, predicted)]))
+    steps = dict(planner.steps)
+    steps[decode_role] = steps[decode_role].with_decode_overhead(overhead)
+    used = cpu.between(min(s.start_unix for s in served), max(s.start_unix + s.e2e for s in served))
+    busy = {prompt_role: sum(steps[prompt_role].prefill_s(s.prompt_tokens) for s in served)}
+    busy[decode_role] = busy.get(decode_role, 0.0) + sum(
+        steps[decode_role].decode_s(1, s.prompt_tokens + i) for s in served for i in range(1, s.n_out))
+    shares = []
+    for role, seconds in busy.items():
+        if seconds < MEASURABLE_TICKS * TICK_S:
+            shares.append(f"the {role} engine's steps took {_ms(seconds)} ms, too short to read its CPU in "
+                          f"{_ms(TICK_S)} ms ticks: taken as one core")
+            continue
+        engine_cpu = sum(used.get(f"stub {model}", 0.0) for model in role_models(spec, role))
+        if not engine_cpu:
+            raise SystemExit(f"error: calibration: no CPU time measured for the {role} engine's process ({kind}, "
+                             f"processes seen: {', '.join(sorted(used)) or 'none'})")
+        steps[role] = replace(steps[role], cpu_per_wall=engine_cpu / seconds)
+        shares.append(f"the {role} engine kept {steps[role].cpu_per_wall:.2f} of a core busy")
+    print(f"plan: calibration, {kind}: {len(samples)} requests one at a time served with TTFT {_signed_ms(latency)} and "
+          f"TPOT {_signed_ms(overhead)} against the simulation: its tokens reach the client {abs(latency) * 1e3:.1f} ms "
+          f"{'later' if latency >= 0 else 'sooner'} than simulated, "
+          f"the {decode_role} engine's decode steps {_signed_ms(overhead)} each; " + ", ".join(shares), flush=True)
+    return planner.adjusted(steps, {kind: latency})
+
+
+def per_sequence_cost(planner: Planner, deployment: Deployment, role: str, samples: list[Sample]) -> tuple[float, float, float]:
+    """The cost per generating sequence after the first, in `role`'s steps, that makes the median simulated
+    TPOT of `samples` (a run's requests, replayed together) the measured one, by bisection: a longer step
+    never shortens a TPOT. Never below 0: what serving adds does not make steps faster than the engine alone
+    (a batch served faster than simulated keeps 0). Returns it with the measured and simulated medians."""
+    ordered = sorted(samples, key=lambda s: s.t_send)
+    finished = [i for i, s in enumerate(ordered) if s.ok and s.tpot]
+    if not finished:
+        raise SystemExit(f"error: calibration: no request of the batch completed with two tokens or more ({deployment})")
+    measured = float(np.median([ordered[i].tpot for i in finished]))
+
+    def simulated(per_sequence: float) -> float:
+        trial = planner.adjusted({role: replace(planner.steps[role], per_sequence_s=per_sequence)})
+        served = trial.replay(deployment, replayed(ordered))
+        return float(np.median([served[i].tpot or 0.0 for i in finished]))
+
+    lo, hi = 0.0, MAX_PER_SEQUENCE_S
+    if simulated(lo) >= measured:
+        return lo, measured, simulated(lo)
+    if simulated(hi) < measured:
+        raise SystemExit(f"error: calibration: {deployment}'s batch served with median TPOT {_ms(measured)} ms, slower than "
+                         f"simulated even with {_ms(hi)} ms more per sequence and step: is the machine busy with other work?")
+    while hi - lo > 1e-6:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated(mid) < measured else (lo, mid)
+    return hi, measured, simulated(hi)
 
 
 def limits_of(spec: DeploymentSpec) -> dict[str, EngineLimits]:

@@ -7,7 +7,7 @@ Every prefill:decode split of `--instances` engine instances (1:2 and 2:1 for 3)
 the workload in turn, each at every rate on a fresh server, all on this machine's cores (more instances
 than cores share them, as the planner's `Host` has them share). Each deployment's measured goodput (the
 highest rate before the first whose attainment is under 90%) is printed beside the planner's prediction
-(`loadtest plan`'s profile, front cost, calibration and simulation, all measured just before the runs), and each run's measured p50 TTFT and attainment
+(`loadtest plan`'s profile, front cost, calibration and simulation, all measured just before the runs), and each run's measured p50 TTFT, p50 TPOT and attainment
 beside the planner's on that run's own requests. Then the planner's choice, the measured best, and the
 choice's measured goodput as a share of the best. Writes <out>/splits.json. A benchmark: minutes per run.
 """
@@ -59,6 +59,7 @@ class Run:
     rate: float
     ttft_p50_ms: tuple[float, float]  # measured, predicted
     attainment: tuple[float, float]
+    tpot_p50_ms: tuple[float, float] = (0.0, 0.0)
 
 
 def verdict(measured: dict[str, float | None], predicted: dict[str, float]) -> str:
@@ -73,7 +74,7 @@ def verdict(measured: dict[str, float | None], predicted: dict[str, float]) -> s
 
 def _cell(run: Run) -> str:
     return (f"{run.attainment[0]:.0%} / {run.attainment[1]:.0%}, "
-            f"{run.ttft_p50_ms[0]:.0f} / {run.ttft_p50_ms[1]:.0f}")
+            f"{run.ttft_p50_ms[0]:.0f} / {run.ttft_p50_ms[1]:.0f}, {run.tpot_p50_ms[0]:.0f} / {run.tpot_p50_ms[1]:.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
             measured = run_stats(samples, slo)
             pred = predicted_run(planner, deployment, samples, traffic)
             run = Run(rate, (measured.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
-                      (measured.slo_attainment, pred.attainment if pred else 0.0))
+                      (measured.slo_attainment, pred.attainment if pred else 0.0),
+                      (measured.tpot_ms["p50"] or 0.0, pred.tpot_p50_s * 1e3 if pred else float("nan")))
             runs[name].append(run)
             print(f"[{name} at {rate:g} req/s] {_cell(run)}", flush=True)
     measured_goodput = {name: highest_met_rate((r.rate, r.attainment[0]) for r in rs) for name, rs in runs.items()}
     predicted_goodput = {str(d): planner.goodput(d, traffic) for d, _, _ in deployments}
-    print(f"\n{'deployment':<24} | {'goodput req/s meas | pred':>25} | per rate: attainment meas / pred, p50 TTFT ms meas / pred")
+    print(f"\n{'deployment':<24} | {'goodput req/s meas | pred':>25} | per rate: attainment meas / pred, p50 TTFT ms meas / pred, p50 TPOT ms meas / pred")
     for name, rs in runs.items():
         cells = "; ".join(f"{r.rate:g}: {_cell(r)}" for r in rs)
         meas = measured_goodput[name]

@@ -14,7 +14,7 @@ from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner.profile import DecodeTable, Linear, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
 from loadtest.compare import compare_spec
-from loadtest.plan import calibrated, check, front_s_per_token, limits_of, predicted_run, replayed, traffic_of
+from loadtest.plan import calibrated, check, front_s_per_token, limits_of, per_sequence_cost, predicted_run, replayed, traffic_of
 from loadtest.splits import split_spec
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import WORKLOAD_DIR, load_workload, workload_variant
@@ -228,6 +228,33 @@ def test_a_decode_overhead_lengthens_every_decode_step_alike_and_leaves_prompt_s
     assert faster.decode.base_s == pytest.approx((0.4 * MS, 5 * MS))
 
 
+def test_a_cost_per_sequence_grows_with_the_batch_and_spares_steps_of_one():
+    model = dataclasses.replace(StepModel(DecodeTable((1, 8), (4 * MS, 10 * MS), (6e-6, 5e-6)), Linear(2 * MS, 170e-6, 1e-9), 0.1),
+                                per_sequence_s=0.5 * MS)
+    plain = dataclasses.replace(model, per_sequence_s=0.0)
+    for batch in (1, 4, 8, 16):
+        assert model.decode_s(batch, 900) == pytest.approx(plain.decode_s(batch, 900) + (batch - 1) * 0.5 * MS)
+    assert model.prefill_s(512) == plain.prefill_s(512)
+    assert model.step_s(4, 3600.0, 256, 256 * 128.5) == pytest.approx(plain.step_s(4, 3600.0, 256, 256 * 128.5) + 1.5 * MS)
+
+
+def test_calibration_finds_the_cost_per_sequence_a_batch_was_served_with():
+    """Six requests sent together, served (here: simulated) with 0.4 ms more per step for each generating sequence
+    after the first; from their token times alone the search finds that cost again."""
+    limits = {"aggregated": EngineLimits(8, 64, False, 16)}
+    truth = Planner({"aggregated": dataclasses.replace(FLAT, per_sequence_s=0.4 * MS)}, limits, lambda n: 0.0)
+    served = truth.replay(Deployment(aggregated=1), [SimRequest(0.0, 4, 10 + 5 * i) for i in range(6)])
+    samples = [Sample("aggregated", i, 4, r.output, False, None, 6, None, 0.0, 50.0 + r.arrival, tuple(50.0 + t for t in r.token_times),
+                      (1,) * r.output, 50.0 + r.token_times[-1]) for i, r in enumerate(served)]
+    planner = Planner({"aggregated": FLAT}, limits, lambda n: 0.0)
+    cost, measured, simulated = per_sequence_cost(planner, Deployment(aggregated=1), "aggregated", samples)
+    assert cost == pytest.approx(0.4 * MS, rel=0.01)
+    assert simulated == pytest.approx(measured, rel=0.01)
+    assert measured == pytest.approx(np.median([r.tpot for r in served]))
+    slower = Planner({"aggregated": StepModel(DecodeTable((1,), (4 * MS,), (0.0,)), Linear(4 * MS, 0.0, 0.0), 0.0)}, limits, lambda n: 0.0)
+    assert per_sequence_cost(slower, Deployment(aggregated=1), "aggregated", samples)[0] == 0.0  # served faster: no negative cost
+
+
 def test_a_deployment_s_latency_delays_its_tokens_and_holds_no_engine():
     limits = {"aggregated": EngineLimits(8, 64, False, 16)}
     reqs = [SimRequest(0.0, 4, 3), SimRequest(0.0, 4, 3)]
@@ -254,9 +281,10 @@ def test_the_front_s_cpu_leaves_out_every_engine_model_of_both_deployments(tmp_p
 @pytest.mark.e2e
 def test_calibration_fits_the_planner_to_the_requests_it_served(cpu_tiny_project, tmp_path, capsys):
     """Engines alone (no front in the simulation): every predicted TTFT is prompt steps plus the latency and
-    every TPOT decode steps, so after calibration the median of measured minus predicted is 0 for both. Outputs of 260+
-    tokens give the decoding engines over half a second of steps, long enough to read their CPU; the tiny
-    model's prompts take milliseconds, too short, so the prefill engine keeps one core."""
+    every TPOT decode steps, so after calibration the median of measured minus predicted is 0 for both, for the
+    requests served one at a time and, through the cost per generating sequence, for the batch sent at once.
+    Outputs of 260+ tokens give the decoding engines over half a second of steps, long enough to read their CPU;
+    the tiny model's prompts take milliseconds, too short, so the prefill engine keeps one core."""
     workload, _ = workload_variant(WORKLOAD_DIR / "quick.yaml", tmp_path, "long", prompt_tokens=[{"weight": 1.0, "min": 8, "max": 16}],
                                    output_tokens=[{"weight": 1.0, "min": 260, "max": 290}],  # within max_seq_len 320
                                    exact_output_tokens=True)
@@ -274,7 +302,14 @@ def test_calibration_fits_the_planner_to_the_requests_it_served(cpu_tiny_project
         assert np.median([s.tpot - r.tpot for s, r in zip(samples, after)]) == pytest.approx(0.0, abs=1e-9)
         assert np.median([s.ttft / r.ttft for s, r in zip(samples, before)]) != pytest.approx(1.0, rel=0.05)  # 1 ms steps
         assert tuned.latency_s[kind] == pytest.approx(np.median([s.ttft - r.ttft for s, r in zip(samples, before)]))
+        batch = sorted(read_samples([tmp_path / "calibration" / "samples" / f"{kind}-24users.jsonl"]), key=lambda s: s.t_send)
+        assert len(batch) == 24 and all(s.ok for s in batch)
+        together = tuned.replay(deployment, replayed(batch))
+        assert np.median([r.tpot for r in together]) == pytest.approx(np.median([s.tpot for s in batch]), rel=0.02)
+        alone = tuned.adjusted({role: dataclasses.replace(tuned.steps[role], per_sequence_s=0.0) for role in tuned.steps})
+        assert np.median([r.tpot for r in alone.replay(deployment, replayed(batch))]) < 0.9 * np.median([s.tpot for s in batch])
     for role in ("decode", "aggregated"):  # measured: each engine process's CPU over its steps' time
         assert 0.2 < tuned.steps[role].cpu_per_wall < 2.0 and tuned.steps[role].cpu_per_wall != 1.0, (role, tuned.steps[role])
-    assert tuned.steps["prefill"].cpu_per_wall == 1.0
+        assert tuned.steps[role].per_sequence_s > 0.0
+    assert tuned.steps["prefill"].cpu_per_wall == 1.0 and tuned.steps["prefill"].per_sequence_s == 0.0
     assert "the prefill engine's steps took" in capsys.readouterr().out

@@ -54,13 +54,15 @@ class Prediction:
     ttft_p95_s: float
     itl_p95_s: float
     attainment: float
+    tpot_p50_s: float = 0.0  # over the requests with two tokens or more (0 when none has)
 
 
 def predict(requests: list[SimRequest], traffic: Traffic) -> Prediction:
     ttft = [r.ttft for r in requests]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])] or [0.0]
+    tpot = [r.tpot for r in requests if r.tpot is not None] or [0.0]
     return Prediction(float(np.percentile(ttft, 50)), float(np.percentile(ttft, 95)), float(np.percentile(itl, 95)),
-                      sum(traffic.met(r) for r in requests) / len(requests))
+                      sum(traffic.met(r) for r in requests) / len(requests), float(np.percentile(tpot, 50)))
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,11 @@ class Planner:
                  latency_s: dict[str, float] | None = None):
         self.steps, self.limits, self.handoff_s, self.hosts = steps, limits, handoff_s, hosts or {}
         self.requests, self.seconds, self.latency_s = requests, seconds, latency_s or {}
+
+    def adjusted(self, steps: dict[str, StepModel], latency_s: dict[str, float] | None = None) -> Planner:
+        """This planner with the given roles' steps, and kinds' latencies, replaced."""
+        return Planner({**self.steps, **steps}, self.limits, self.handoff_s, self.hosts, self.requests, self.seconds,
+                       {**self.latency_s, **(latency_s or {})})
 
     def replay(self, deployment: Deployment, requests: list[SimRequest], decode_batch: int | None = None) -> list[SimRequest]:
         """Given requests (a measured run's, say) through the deployment, with decode's batch limit if given."""
