@@ -1,17 +1,19 @@
-"""Engine steps alone and beside a second engine process: what co-located engines cost each other here.
+"""Engine steps alone and beside a second process: what co-located processes cost an engine's steps here.
 
 The planner (disagg.planner.simulate, `Host`) shares this machine's cores between the engines' steps as
 Linux shares cores between runnable threads, and models nothing more: no slowdown from the caches and
-memory bus two engine processes share. This measures that assumption on the bench model: decode steps
-(a batch of generation-only sequences over imported contexts, as the decode role runs them) timed alone
-and while a second process prefills prompts back to back, then whole-prompt steps alone and while the
-second process decodes. Rounds alternate between the two conditions so that a drift in the machine's speed
+memory bus processes share. This measures that assumption on the bench model: decode steps (a batch of
+generation-only sequences over imported contexts, as the decode role runs them) timed alone and while a
+second process prefills prompts back to back, streams through 64 MB of memory (as the processes that carry
+tokens touch theirs, on a smaller scale) or runs a Python loop that touches almost none; then whole-prompt
+steps alone and while the second process decodes. Rounds alternate between the two conditions so that a drift in the machine's speed
 hits both; "alone" starts only once the second process has finished the work it had begun. Printed as p50
 and p90 of each condition: the slowdown comes in spells (decode steps beside a prefill have run x1.7 for one
 round of eight and x1.0-1.1 in the others here), which a median alone would hide. One BLAS thread per process, as the
 load tests serve.
 
     python -m disagg.bench corun                     # bench-100mb, batch 4 over 1024-token contexts
+    python -m disagg.bench corun --batch 28 --context 256   # a decode batch as the splits runs reach
 """
 from __future__ import annotations
 
@@ -27,16 +29,23 @@ from disagg.bench.engine import build_engine
 from disagg.engine.engine import LLMEngine
 from disagg.planner.profile import Profiler
 
-READY_TIMEOUT_S = 300.0  # the second process loading its engine and prefilling its context
-IDLE_TIMEOUT_S = 60.0  # the second process finishing the prompt or decode burst it had begun
+READY_TIMEOUT_S = 300.0  # the second process loading its engine and prefilling its context, or filling its memory
+IDLE_TIMEOUT_S = 60.0  # the second process finishing the burst of work it had begun
+
+
+MEMORY_BYTES = 64 << 20
 
 
 def _busy(engine_dir: Path, work: str, context: int, batch: int, go, idle, stop) -> None:
-    """The second process: while `go` is set, prefills `context`-token prompts or decodes `batch` sequences;
-    `idle` is set while it computes nothing (first once its engine is loaded)."""
+    """The second process: while `go` is set, does `work` in short bursts: prefills `context`-token prompts,
+    decodes `batch` sequences, streams through MEMORY_BYTES or loops in Python; `idle` is set while it does
+    nothing (first once it is ready)."""
     with threadpool_limits(1, user_api="blas"):
-        p = Profiler(LLMEngine(engine_dir))
-        prompt, phase = p.prefilled(context)
+        if work in ("prefill", "decode"):
+            p = Profiler(LLMEngine(engine_dir))
+            prompt, phase = p.prefilled(context)
+        else:
+            buffer = np.ones(MEMORY_BYTES // 4, dtype=np.float32)
         idle.set()
         while not stop.is_set():
             if not go.wait(0.05) or stop.is_set():
@@ -44,13 +53,21 @@ def _busy(engine_dir: Path, work: str, context: int, batch: int, go, idle, stop)
             idle.clear()
             if work == "prefill":
                 p.engine.release(p.prompt_steps(context, "context_only"))
-            else:
+                p.steps.clear()
+            elif work == "decode":
                 ids = p.import_batch(batch, prompt, phase, 40)
                 for _ in range(30):
                     p.engine.step()
                 for req_id in ids:
                     p.engine.abort(req_id)
-            p.steps.clear()
+                p.steps.clear()
+            elif work == "memory":
+                for _ in range(20):
+                    buffer *= 1.0000001
+            else:
+                total = 0
+                for i in range(200_000):
+                    total += i
             idle.set()
 
 
@@ -59,29 +76,28 @@ def _wait(done, other, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if not other.is_alive():
-            raise RuntimeError(f"the second engine process exited (code {other.exitcode}) before it could {what}")
+            raise RuntimeError(f"the second process exited (code {other.exitcode}) before it could {what}")
         if done():
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the second engine process did not {what} within {timeout_s:g} s")
+            raise RuntimeError(f"the second process did not {what} within {timeout_s:g} s")
         time.sleep(0.01)
 
 
-def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds: int) -> dict[str, list[float]]:
+def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds: int, beside: str) -> dict[str, list[float]]:
     """{"alone": [...], "beside": [...]}: seconds of this process's `timed` steps ("decode": batch `batch` over
     `context`-token contexts; "prefill": one `context`-token prompt) with the second process idle, then busy with
-    the other kind of work, `rounds` times."""
+    `beside` (`_busy`'s work), `rounds` times."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no BLAS thread pool inherited mid-state
     go, idle, stop = ctx.Event(), ctx.Event(), ctx.Event()
-    other = ctx.Process(target=_busy, args=(engine_dir, "prefill" if timed == "decode" else "decode", context, batch, go, idle, stop),
-                        daemon=True)
+    other = ctx.Process(target=_busy, args=(engine_dir, beside, context, batch, go, idle, stop), daemon=True)
     other.start()
     seconds: dict[str, list[float]] = {"alone": [], "beside": []}
     try:
         with threadpool_limits(1, user_api="blas"):
             p = Profiler(LLMEngine(engine_dir))
             prompt, phase = p.prefilled(context)
-            _wait(idle.is_set, other, READY_TIMEOUT_S, "load its engine")
+            _wait(idle.is_set, other, READY_TIMEOUT_S, "get ready")
             for _ in range(rounds):
                 for condition in ("alone", "beside"):
                     if condition == "alone":
@@ -119,11 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     engine_dir = build_engine(a.root, a.preset, a.batch, a.context, 64)
     print(f"co-run on {a.preset}: {a.rounds} rounds, alone and beside, one BLAS thread per process", flush=True)
-    for timed, beside, what in (("decode", "prefilling", f"decode steps (batch {a.batch}, {a.context}-token contexts)"),
-                                ("prefill", "decoding", f"prompt steps ({a.context} tokens)")):
-        s = step_seconds(engine_dir, timed, a.context, a.batch, a.rounds)
+    decodes = f"decode steps (batch {a.batch}, {a.context}-token contexts)"
+    for timed, beside, what, doing in (("decode", "prefill", decodes, "prefilling"), ("decode", "memory", decodes, "memory-streaming"),
+                                       ("decode", "python", decodes, "Python-looping"),
+                                       ("prefill", "decode", f"prompt steps ({a.context} tokens)", "decoding")):
+        s = step_seconds(engine_dir, timed, a.context, a.batch, a.rounds, beside)
         alone, near = (np.percentile(s[c], (50, 90)) for c in ("alone", "beside"))
-        print(f"  {what}, p50 / p90: alone {alone[0] * 1e3:.1f} / {alone[1] * 1e3:.1f} ms, beside a {beside} process "
+        print(f"  {what}, p50 / p90: alone {alone[0] * 1e3:.1f} / {alone[1] * 1e3:.1f} ms, beside a {doing} process "
               f"{near[0] * 1e3:.1f} / {near[1] * 1e3:.1f} ms: x{near[0] / alone[0]:.2f} / x{near[1] / alone[1]:.2f} "
               f"({len(s['alone'])} / {len(s['beside'])} steps)", flush=True)
     return 0
