@@ -4,12 +4,13 @@
     python -m loadtest splits --instances 3 --prompt-tokens 1024 --rates 0.05,0.1,0.2 --seconds 90
 
 Every prefill:decode split of `--instances` engine instances (1:2 and 2:1 for 3) and aggregated x N serve
-the workload in turn, each at every rate on a fresh server, all on this machine's cores (more instances
-than cores share them, as the planner's `Host` has them share). Each deployment's measured goodput (the
-highest rate before the first whose attainment is under 90%) is printed beside the planner's prediction
-(`loadtest plan`'s profile, front cost, calibration and simulation, all measured just before the runs), and each run's measured p50 TTFT, p50 TPOT and attainment
-beside the planner's on that run's own requests. Then the planner's choice, the measured best, and the
-choice's measured goodput as a share of the best. Writes <out>/splits.json. A benchmark: minutes per run.
+the workload in turn, each at every rate on a fresh server, all on this machine's cores (more instances than
+cores share them, as the planner's `Host` has them share). Each deployment's measured goodput (the highest
+rate before the first whose attainment is under 90%) is printed beside the planner's prediction (`loadtest
+plan`'s profile, front cost, calibration and simulation, all measured just before the runs), and each run's
+measured p50 TTFT, p50 TPOT and attainment beside the planner's on that run's own requests. Then the
+planner's choice, the measured best, and the choice's measured goodput as a share of the best. Writes
+<out>/splits.json. A benchmark: minutes per run.
 """
 from __future__ import annotations
 

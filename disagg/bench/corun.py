@@ -1,16 +1,16 @@
 """Engine steps alone and beside a second process: what co-located processes cost an engine's steps here.
 
 The planner (disagg.planner.simulate, `Host`) shares this machine's cores between the engines' steps as
-Linux shares cores between runnable threads, and models nothing more: no slowdown from the caches and
-memory bus processes share. This measures that assumption on the bench model: decode steps (a batch of
+Linux shares cores between runnable threads, and models nothing more: no slowdown from the caches and memory
+bus processes share. This measures that assumption on the bench model: decode steps (a batch of
 generation-only sequences over imported contexts, as the decode role runs them) timed alone and while a
 second process prefills prompts back to back, streams through 64 MB of memory (as the processes that carry
 tokens touch theirs, on a smaller scale) or runs a Python loop that touches almost none; then whole-prompt
-steps alone and while the second process decodes. Rounds alternate between the two conditions so that a drift in the machine's speed
-hits both; "alone" starts only once the second process has finished the work it had begun. Printed as p50
-and p90 of each condition: the slowdown comes in spells (decode steps beside a prefill have run x1.7 for one
-round of eight and x1.0-1.1 in the others here), which a median alone would hide. One BLAS thread per process, as the
-load tests serve.
+steps alone and while the second process decodes. Rounds alternate between the two conditions so that a
+drift in the machine's speed hits both; "alone" starts only once the second process has finished the work it
+had begun. Printed as p50 and p90 of each condition: the slowdown comes in spells (decode steps beside a
+prefill have run x1.7 for one round of eight and x1.0-1.1 in the others here), which a median alone would
+hide. One BLAS thread per process, as the load tests serve.
 
     python -m disagg.bench corun                     # bench-100mb, batch 4 over 1024-token contexts
     python -m disagg.bench corun --batch 28 --context 256   # a decode batch as the splits runs reach
@@ -31,9 +31,7 @@ from disagg.planner.profile import Profiler
 
 READY_TIMEOUT_S = 300.0  # the second process loading its engine and prefilling its context, or filling its memory
 IDLE_TIMEOUT_S = 60.0  # the second process finishing the burst of work it had begun
-
-
-MEMORY_BYTES = 64 << 20
+MEMORY_BYTES = 64 << 20  # what the memory-streaming process walks through: twice the L3 cache here
 
 
 def _busy(engine_dir: Path, work: str, context: int, batch: int, go, idle, stop) -> None:
