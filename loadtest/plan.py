@@ -135,9 +135,9 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     generated): the cost per generating sequence (`StepModel.per_sequence_s`) that makes their simulated median TPOT
     the measured one. What serving adds to a step grows with its batch: every sequence's response leaves through the
     engine's process each step, and the more tokens a second the front handles beside the step, the more its memory
-    traffic slows the step's (a decode step timed beside a process streaming memory ran x1.28-x1.70, `python -m
-    disagg.bench corun`). One request at a time cannot show it; under load the decode steps of the saved splits runs
-    took 1.2-1.8x their profiled time from batch 8 on, with no prefill beside them."""
+    traffic likely slows the step's (a decode step timed beside a process streaming memory ran x1.28-x1.70, `python
+    -m disagg.bench corun`). One request at a time cannot show it; under load the decode steps of the saved splits
+    runs took 1.2-1.8x their profiled time from batch 8 on, with no prefill beside them."""
     alone_path, _ = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
                                      arrival={"users": 1})  # closed loop, one at a time
     batch = min(CALIBRATION_BATCH, spec.roles["decode"].max_batch_size, spec.roles["aggregated"].max_batch_size)

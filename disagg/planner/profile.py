@@ -86,7 +86,7 @@ class StepModel:
     cpu_per_wall: float = 1.0
     # What serving adds to a step for each generating sequence after the first: 0 as profiled (the engine alone);
     # served, each sequence's token is a response the engine's process sends, and the processes carrying the
-    # tokens slow the step through the memory they share with it, the more the more tokens a step makes
+    # tokens likely slow the step through the memory they share with it, the more the more tokens a step makes
     # (measured by calibration with a batch of requests).
     per_sequence_s: float = 0.0
 
@@ -94,7 +94,8 @@ class StepModel:
         serving = self.per_sequence_s * max(decodes - 1, 0)
         if not prompt_tokens:
             return self.decode(decodes, decode_attended) + serving
-        return self.prompt(decodes + prompt_tokens, prompt_attended) + self.decode.per_attended(decodes) * decode_attended + serving
+        prompt = self.prompt(decodes + prompt_tokens, prompt_attended)
+        return prompt + self.decode.per_attended(decodes) * decode_attended + serving
 
     def prefill_s(self, n: int) -> float:
         return self.step_s(0, 0.0, n, n * (n + 1) / 2)
