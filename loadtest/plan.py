@@ -138,17 +138,18 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     traffic likely slows the step's (a decode step timed beside a process streaming memory ran x1.28-x1.70, `python
     -m disagg.bench corun`). One request at a time cannot show it; under load the decode steps of the saved splits
     runs took 1.2-1.8x their profiled time from batch 8 on, with no prefill beside them."""
-    alone_path, _ = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
-                                     arrival={"users": 1})  # closed loop, one at a time
+    alone = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
+                             arrival={"users": 1})  # closed loop, one at a time
     batch = min(CALIBRATION_BATCH, spec.roles["decode"].max_batch_size, spec.roles["aggregated"].max_batch_size)
     shortest = min(CALIBRATION_PROMPT_TOKENS, *(b.min for b in load_workload(workload_path).prompt_tokens))
-    batch_path, _ = workload_variant(workload_path, out, "calibration-batch", max_requests=batch, duration_s=120,
-                                     arrival={"users": batch},  # closed loop, all at once
-                                     prompt_tokens=[{"weight": 1.0, "min": shortest, "max": shortest}], exact_output_tokens=True)
+    batch_path, batch_workload = workload_variant(workload_path, out, "calibration-batch", max_requests=batch, duration_s=120,
+                                                  arrival={"users": batch},  # closed loop, all at once
+                                                  prompt_tokens=[{"weight": 1.0, "min": shortest, "max": shortest}],
+                                                  exact_output_tokens=True)
     for kind, deployment, prompt_role, decode_role in (("aggregated", Deployment(aggregated=1), "aggregated", "aggregated"),
                                                        ("disaggregated", Deployment(prefill=1, decode=1), "prefill", "decode")):
-        planner = _fitted_alone(planner, spec, alone_path, out, kind, deployment, prompt_role, decode_role)
-        samples_path, _ = run_point(kind, None, spec, str(batch_path), load_workload(batch_path), out)
+        planner = _fitted_alone(planner, spec, alone, out, kind, deployment, prompt_role, decode_role)
+        samples_path, _ = run_point(kind, None, spec, str(batch_path), batch_workload, out)
         together = read_samples([samples_path])
         per_sequence, measured, simulated = per_sequence_cost(planner, deployment, decode_role, together)
         planner = planner.adjusted({decode_role: replace(planner.steps[decode_role], per_sequence_s=per_sequence)})
@@ -158,12 +159,13 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     return planner
 
 
-def _fitted_alone(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path, kind: str, deployment: Deployment,
-                  prompt_role: str, decode_role: str) -> Planner:
-    """`calibrated`'s first run, one request at a time: the deployment's latency, its decode steps' overhead and
-    its engines' CPU per second of step."""
+def _fitted_alone(planner: Planner, spec: DeploymentSpec, workload: tuple[Path, Workload], out: Path, kind: str,
+                  deployment: Deployment, prompt_role: str, decode_role: str) -> Planner:
+    """`calibrated`'s first run, one request at a time (`workload`: its file and what it holds): the deployment's
+    latency, its decode steps' overhead and its engines' CPU per second of step."""
+    path, loaded = workload
     with ServerCpu() as cpu:
-        samples_path, _ = run_point(kind, None, spec, str(workload_path), load_workload(workload_path), out)
+        samples_path, _ = run_point(kind, None, spec, str(path), loaded, out)
     served = [s for s in read_samples([samples_path]) if s.ok]
     samples = [s for s in served if s.tpot]
     if not samples:
@@ -213,8 +215,9 @@ def per_sequence_cost(planner: Planner, deployment: Deployment, role: str, sampl
         return float(np.median([served[i].tpot or 0.0 for i in finished]))
 
     lo, hi = 0.0, MAX_PER_SEQUENCE_S
-    if simulated(lo) >= measured:
-        return lo, measured, simulated(lo)
+    at_zero = simulated(lo)
+    if at_zero >= measured:
+        return lo, measured, at_zero
     if simulated(hi) < measured:
         raise SystemExit(f"error: calibration: {deployment}'s batch served with median TPOT {_ms(measured)} ms, slower than "
                          f"simulated even with {_ms(hi)} ms more per sequence and step: is the machine busy with other work?")
