@@ -49,11 +49,11 @@ def build_engine(root: Path, preset: str, max_batch: int, prompt_len: int, decod
     if not (ckpt / "config.json").is_file():
         generate_checkpoint(ckpt, preset)
     cfg = LlamaConfig.from_dir(ckpt)
-    seq = prompt_len + decode_steps + 2
+    seq = prompt_len + max_batch + decode_steps + 2  # the first prompt's sequence decodes while the others prefill
     tpb = 16
-    limits = BuildConfig(max_batch, prompt_len, seq, max(prompt_len, max_batch), tpb, max_batch * blocks_for(seq, tpb),
-                         enable_kv_cache_reuse=reuse)
-    out = root / "bench-engines" / f"{preset}-b{max_batch}-p{prompt_len}-s{seq}{'-reuse' if reuse else ''}"
+    tokens = prompt_len + max_batch  # a prompt beside a full batch's decodes
+    limits = BuildConfig(max_batch, prompt_len, seq, tokens, tpb, max_batch * blocks_for(seq, tpb), enable_kv_cache_reuse=reuse)
+    out = root / "bench-engines" / f"{preset}-b{max_batch}-p{prompt_len}-s{seq}-t{tokens}{'-reuse' if reuse else ''}"
     if not (out / "config.json").is_file():
         write_engine(out, EngineConfig("aggregated", cfg, Mapping(1, 1), limits), load_hf_weights(ckpt))
     return out
@@ -64,7 +64,7 @@ def bench_model(root: Path, preset: str, prompt_len: int, decode_steps: int, bat
     cfg = engine.config.model
     model = engine.model
     layer_bytes = sum(a.nbytes for stage in model.shards for rank in stage for layer in rank for a in vars(layer).values() if a is not None)
-    weight_bytes = layer_bytes + model.lm_head_t.nbytes + model.final_norm.nbytes  # embedding: one row per token, negligible
+    weight_bytes = layer_bytes + model.lm_head.nbytes + model.final_norm.nbytes  # embedding: one row per token, negligible
     kv_per_token = cfg.kv_bytes_per_token
     rng = np.random.default_rng(0)
 
@@ -80,23 +80,29 @@ def bench_model(root: Path, preset: str, prompt_len: int, decode_steps: int, bat
 
     decode = {}
     for batch in batches:
-        avg_context = prompt_len + decode_steps / 2
+        avg_context = prompt_len + batch / 2 + decode_steps / 2  # each decodes from when its prompt was admitted
         step_bytes = weight_bytes + batch * avg_context * kv_per_token
-        decode[batch] = (_decode_rate(engine, prompt, batch, decode_steps), batch * bandwidth / step_bytes)
+        decode[batch] = (decode_rate(engine, prompt, batch, decode_steps), batch * bandwidth / step_bytes)
     return ModelBench(preset, weight_bytes, kv_per_token, prefill_tps, decode)
 
 
-def _decode_rate(engine: LLMEngine, prompt, batch: int, decode_steps: int) -> float:
-    """Tokens/s of `decode_steps` steps over `batch` sequences, their prefill not counted."""
-    for i in range(batch):
-        engine.add_request(Request(f"b{batch}-{i}", prompt(), decode_steps + 1))
-    engine.step()  # the prefills (and first tokens)
+def decode_rate(engine: LLMEngine, prompt, batch: int, decode_steps: int) -> float:
+    """Tokens/s of `decode_steps` steps in which all `batch` sequences decode. Their prefills come first and are
+    not timed: the engine's token budget may admit one prompt per step, so the steps run until none is waiting
+    or in its context phase."""
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for req_id in ids:
+        engine.add_request(Request(req_id, prompt(), batch + decode_steps + 1))
+    while engine.waiting or engine.num_in_context:
+        engine.step()
     t = time.perf_counter()
     for _ in range(decode_steps):
-        engine.step()
+        decoded = len(engine.step())
+        if decoded != batch:
+            raise RuntimeError(f"a timed decode step made {decoded} tokens, not {batch}: the engine's limits hold fewer sequences")
     elapsed = time.perf_counter() - t
-    while engine.has_work():
-        engine.step()
+    for req_id in ids:
+        engine.abort(req_id)
     return batch * decode_steps / elapsed
 
 
@@ -105,7 +111,7 @@ def decode_tokens_per_s(root: Path, preset: str, prompt_len: int, decode_steps: 
     engine = LLMEngine(build_engine(root, preset, max(batches), prompt_len, decode_steps))
     rng = np.random.default_rng(0)
     vocab = engine.config.model.vocab_size
-    return {batch: _decode_rate(engine, lambda: tuple(int(t) for t in rng.integers(2, vocab, prompt_len)), batch, decode_steps)
+    return {batch: decode_rate(engine, lambda: tuple(int(t) for t in rng.integers(2, vocab, prompt_len)), batch, decode_steps)
             for batch in batches}
 
 
