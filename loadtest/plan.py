@@ -95,6 +95,8 @@ def hosts(spec: DeploymentSpec, out: Path) -> dict[str, Host]:
     rows = measure(spec.source, out, (FRONT_STREAMS,), FRONT_SECONDS, 64, FRONT_STEP_MS, paths=("ensemble", "aggregated"))
     cores = len(os.sched_getaffinity(0))
     per_token = {r.path: front_s_per_token(r.cpu_ms_per_token, spec) for r in rows}
+    print(f"plan: the front costs {per_token['ensemble'] * 1e3:.2f} ms of CPU per output token through the ensemble, "
+          f"{per_token['aggregated'] * 1e3:.2f} ms through the aggregated one", flush=True)
     return {"disaggregated": Host(cores, per_token["ensemble"]), "aggregated": Host(cores, per_token["aggregated"])}
 
 

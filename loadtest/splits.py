@@ -137,5 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         "instances": a.instances, "prompt_tokens": a.prompt_tokens, "slo": asdict(slo),
         "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
         "goodput": {"measured": measured_goodput, "predicted": predicted_goodput}, "verdict": line,
+        "planner": planner.fitted(),
     }, indent=2))
     return 0

@@ -255,6 +255,16 @@ def test_calibration_finds_the_cost_per_sequence_a_batch_was_served_with():
     assert per_sequence_cost(slower, Deployment(aggregated=1), "aggregated", samples)[0] == 0.0  # served faster: no negative cost
 
 
+def test_a_fitted_planner_is_written_whole_and_its_steps_read_back_as_fitted():
+    """`loadtest splits` records what its predictions rest on; the calibrated parts of a role's steps survive JSON."""
+    fitted = dataclasses.replace(FLAT, cpu_per_wall=1.21, per_sequence_s=0.65 * MS)
+    planner = Planner({"decode": fitted}, {}, lambda n: 0.0, {"disaggregated": Host(2, 2.3 * MS)}, latency_s={"disaggregated": 0.09})
+    state = json.loads(json.dumps(planner.fitted()))
+    assert StepModel.from_dict(state["steps"]["decode"]) == fitted
+    assert state["hosts"] == {"disaggregated": {"cores": 2, "front_s_per_token": 2.3 * MS, "engines_on_cpu": True}}
+    assert state["latency_s"] == {"disaggregated": 0.09}
+
+
 def test_a_deployment_s_latency_delays_its_tokens_and_holds_no_engine():
     limits = {"aggregated": EngineLimits(8, 64, False, 16)}
     reqs = [SimRequest(0.0, 4, 3), SimRequest(0.0, 4, 3)]

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured read bandwidth: {bandwidth / 1e9:.2f} GB/s (fastest of sum / dot / gemv over a 512 MiB buffer)")
     rows = [
         bench_model(args.root, "tiny", 128, args.decode_steps, [1, 16], bandwidth),
-        bench_model(args.root, "bench-100mb", 256, args.decode_steps, [1, 16], bandwidth),
+        bench_model(args.root, "bench-100mb", 256, args.decode_steps, [1, 2, 8, 16, 64], bandwidth),
     ]
     print(f"\n{'model':<12} {'weights':>9} {'prefill tok/s':>14} {'batch':>6} {'decode tok/s':>13} {'roofline tok/s':>15} {'of roofline':>12}")
     for r in rows:

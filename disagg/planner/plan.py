@@ -6,7 +6,7 @@ highest Poisson rate at which at least `target` of the requests meet both SLOs, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -101,6 +101,11 @@ class Planner:
         """This planner with the given roles' steps, and kinds' latencies, replaced."""
         return Planner({**self.steps, **steps}, self.limits, self.handoff_s, self.hosts, self.requests, self.seconds,
                        {**self.latency_s, **(latency_s or {})})
+
+    def fitted(self) -> dict:
+        """What its predictions rest on, as JSON: each role's steps, each kind's host and latency."""
+        return {"steps": {role: asdict(steps) for role, steps in self.steps.items()},
+                "hosts": {kind: asdict(host) for kind, host in self.hosts.items()}, "latency_s": self.latency_s}
 
     def replay(self, deployment: Deployment, requests: list[SimRequest], decode_batch: int | None = None) -> list[SimRequest]:
         """Given requests (a measured run's, say) through the deployment, with decode's batch limit if given."""

@@ -113,7 +113,7 @@ class StepModel:
     @classmethod
     def from_dict(cls, raw: dict) -> StepModel:
         table = DecodeTable(*(tuple(raw["decode"][k]) for k in ("batches", "base_s", "per_attended_s")))
-        return cls(table, Linear(**raw["prompt"]), raw["fit_error"])
+        return cls(table, Linear(**raw["prompt"]), raw["fit_error"], raw.get("cpu_per_wall", 1.0), raw.get("per_sequence_s", 0.0))
 
 
 def fit_decode(steps: list[Timed]) -> DecodeTable:
