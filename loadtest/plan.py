@@ -14,7 +14,7 @@
    engines' compute skipped, through `ensemble` and `aggregated`; not the engine models' own processes,
    whose work around their steps calibration covers), since here it shares the cores with the engines
    (disagg.planner.simulate.Host). `--no-host` leaves it out, as for engines on GPUs, and calibration.
-   Then calibrates: a few of the workload's requests, sent one at a time through each deployment: what
+   Then calibrates: ten of the workload's requests, sent one at a time through each deployment: what
    they took beyond the simulation, TTFT becomes the deployment's latency and TPOT an overhead on every
    decode step; then a batch sent at once: what its TPOT took beyond that, a cost per generating sequence
    in every step (`--no-calibration`: not).
@@ -109,7 +109,9 @@ def front_s_per_token(cpu_ms_per_token: dict[str, float], spec: DeploymentSpec) 
     return sum(ms for name, ms in cpu_ms_per_token.items() if name.removeprefix("stub ") not in engines) / 1e3
 
 
-CALIBRATION_REQUESTS = 3
+# One at a time. A role's CPU share read from three requests was 1.10 and 1.21 for the same prompts (1.04 from ten, 1.07
+# under load), and the simulation under contention moves with it.
+CALIBRATION_REQUESTS = 10
 CALIBRATION_BATCH = 24  # requests sent at once: decode batches about as large as the workloads' rates build here
 CALIBRATION_PROMPT_TOKENS = 32  # their prompts, short: the batch forms at once and its steps decode, as under load
 MAX_PER_SEQUENCE_S = 0.05  # where the search for the cost per generating sequence gives up

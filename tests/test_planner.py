@@ -14,7 +14,7 @@ from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner.profile import DecodeTable, Linear, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
 from loadtest.compare import compare_spec
-from loadtest.plan import calibrated, check, front_s_per_token, limits_of, per_sequence_cost, predicted_run, replayed, traffic_of
+from loadtest.plan import CALIBRATION_REQUESTS, calibrated, check, front_s_per_token, limits_of, per_sequence_cost, predicted_run, replayed, traffic_of
 from loadtest.splits import split_spec
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import WORKLOAD_DIR, load_workload, workload_variant
@@ -305,7 +305,7 @@ def test_calibration_fits_the_planner_to_the_requests_it_served(cpu_tiny_project
         tuned = calibrated(planner, spec, workload, tmp_path / "calibration")
     for kind, deployment in (("aggregated", Deployment(aggregated=1)), ("disaggregated", Deployment(prefill=1, decode=1))):
         samples = [s for s in read_samples([tmp_path / "calibration" / "samples" / f"{kind}-1users.jsonl"]) if s.ok and s.tpot]
-        assert len(samples) == 3
+        assert len(samples) == CALIBRATION_REQUESTS
         before = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as it was served
         after = [tuned.replay(deployment, replayed([s]))[0] for s in samples]
         assert np.median([s.ttft - r.ttft for s, r in zip(samples, after)]) == pytest.approx(0.0, abs=1e-9)
