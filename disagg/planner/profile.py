@@ -156,9 +156,9 @@ def fit(steps: list[Timed]) -> StepModel:
 
 def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
     """Times prompts (whole, or chunk by chunk where the engine chunks them) at lengths up to the engine's
-    max input length, decode steps at batch sizes up to its max batch and two context lengths, and, where it
-    chunks prompts, chunks beside a batch of decodes. One BLAS thread, as the engine model serves
-    (disagg.triton.engine_model)."""
+    max input length, decode steps at batch sizes up to its max batch and two context lengths (DECODE_PASSES
+    passes over them), and, where it chunks prompts, chunks beside a batch of decodes. One BLAS thread, as the
+    engine model serves (disagg.triton.engine_model)."""
     with threadpool_limits(1, user_api="blas"):
         return Profiler(LLMEngine(engine_dir)).run(engine_dir.name, progress)
 
@@ -166,6 +166,10 @@ def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PROMPT_REPEATS = 3  # timings of each prompt length, the median kept
 TIMED_STEPS = 4
+# Passes over every decode batch size, their steps fitted together: this machine's speed drifts over the tens of
+# seconds a pass takes. Three profilings each, batch 24 over 560-token contexts: 62.5-87.4 ms with one pass,
+# 84.2-91.1 ms with three.
+DECODE_PASSES = 3
 PROMPTING = (Status.WAITING, Status.CONTEXT)
 
 
@@ -265,7 +269,7 @@ class Profiler:
         batches = [n for n in DECODE_BATCHES if n <= b.max_batch_size]
         decode_work = [(n, c) for n in batches for c in contexts if n * (c + 2 * TIMED_STEPS + b.tokens_per_block) <= room]
         mixed = [n for n in (1, 4, 16) if n < b.max_batch_size] if b.enable_chunked_context else []
-        work = [("prompt", n) for n in lengths] + [("decode", w) for w in decode_work] + [("mixed", n) for n in mixed]
+        work = [("prompt", n) for n in lengths] + [("decode", w) for w in decode_work] * DECODE_PASSES + [("mixed", n) for n in mixed]
         self.engine.generate([Request("warm", self._prompt(lengths[0]), 2)])
         prefilled: dict[int, tuple[tuple[int, ...], ContextPhase]] = {}
         for kind, arg in tqdm(work, desc=f"profile {name}", disable=not progress, leave=False):
