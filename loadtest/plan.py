@@ -145,7 +145,7 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     alone = workload_variant(workload_path, out, "calibration", max_requests=CALIBRATION_REQUESTS, duration_s=120,
                              arrival={"users": 1})  # closed loop, one at a time
     batch = min(CALIBRATION_BATCH, spec.roles["decode"].max_batch_size, spec.roles["aggregated"].max_batch_size)
-    shortest = min(CALIBRATION_PROMPT_TOKENS, *(b.min for b in load_workload(workload_path).prompt_tokens))
+    shortest = min(CALIBRATION_PROMPT_TOKENS, *(b.min for b in alone[1].prompt_tokens))  # the variant keeps the workload's lengths
     batch_path, batch_workload = workload_variant(workload_path, out, "calibration-batch", max_requests=batch, duration_s=120,
                                                   arrival={"users": batch},  # closed loop, all at once
                                                   prompt_tokens=[{"weight": 1.0, "min": shortest, "max": shortest}],
@@ -222,13 +222,18 @@ def per_sequence_cost(planner: Planner, deployment: Deployment, role: str, sampl
     at_zero = simulated(lo)
     if at_zero >= measured:
         return lo, measured, at_zero
-    if simulated(hi) < measured:
+    at_hi = simulated(hi)
+    if at_hi < measured:
         raise SystemExit(f"error: calibration: {deployment}'s batch served with median TPOT {_ms(measured)} ms, slower than "
                          f"simulated even with {_ms(hi)} ms more per sequence and step: is the machine busy with other work?")
     while hi - lo > 1e-6:
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if simulated(mid) < measured else (lo, mid)
-    return hi, measured, simulated(hi)
+        at_mid = simulated(mid)
+        if at_mid < measured:
+            lo = mid
+        else:
+            hi, at_hi = mid, at_mid
+    return hi, measured, at_hi
 
 
 def limits_of(spec: DeploymentSpec) -> dict[str, EngineLimits]:
