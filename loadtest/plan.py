@@ -129,7 +129,7 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     a ratio taken from one-at-a-time requests scaled every step, so queues built on time that was not the
     engines' and a batch-1 decode step that happened to profile fast stretched the steps of every batch size
     (replaying the saved `loadtest splits` runs, ratios put p50 TTFT within 20% in 9-12 of 27 runs against
-    17-19 of 27 this way; README, Measure). How much of a served step is CPU is measured too: each engine
+    17-19 of 27 this way; docs/measurements.md). How much of a served step is CPU is measured too: each engine
     process's CPU seconds while the requests ran, over its steps' seconds (`StepModel.cpu_per_wall`), since a
     step that waits leaves its core to the other engines, and one whose process works beside it takes more.
     The kernel counts CPU time in ticks (10 ms), so a role whose steps took under 50 of them keeps one core,

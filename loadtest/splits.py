@@ -9,8 +9,11 @@ cores share them, as the planner's `Host` has them share). Each deployment's mea
 rate before the first whose attainment is under 90%) is printed beside the planner's prediction (`loadtest
 plan`'s profile, front cost, calibration and simulation, all measured just before the runs), and each run's
 measured p50 TTFT, p50 TPOT and attainment beside the planner's on that run's own requests. Then the
-planner's choice, the measured best, and the choice's measured goodput as a share of the best. Writes
-<out>/splits.json. A benchmark: minutes per run.
+planner's choice, the measured best, and the choice's measured goodput as a share of the best, and how many
+of the predicted p50 TTFT and TPOT came within 20% of measured. Last, the first deployment serves its rates
+again (`--no-repeat`: not): how far the same runs moved between the start and the end of the session is
+how finely this machine lets the predictions be checked. Writes <out>/splits.json. A benchmark: minutes
+per run.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from disagg.cli import build
@@ -73,9 +77,47 @@ def verdict(measured: dict[str, float | None], predicted: dict[str, float]) -> s
             f"({measured[best]:g} req/s); the choice measured {measured[choice] or 0:g} req/s = {share:.0%} of the best")
 
 
+ERROR_BOUND = 0.2  # how close to measured the planner's latency predictions are meant to come
+
+
+def _relative(a: float, b: float) -> float:
+    """a against b, as a signed fraction of b."""
+    return a / b - 1 if b else float("nan")
+
+
+def prediction_errors(runs: dict[str, list[Run]]) -> str:
+    """How many runs' p50 TTFT and p50 TPOT were predicted within ERROR_BOUND of measured, and the median error."""
+    parts = []
+    for label, pick in (("p50 TTFT", lambda r: r.ttft_p50_ms), ("p50 TPOT", lambda r: r.tpot_p50_ms)):
+        errors = [abs(_relative(pick(r)[1], pick(r)[0])) for rs in runs.values() for r in rs if pick(r)[0]]
+        errors = [e for e in errors if e == e]  # a run the planner had no prediction for is left out
+        if errors:
+            parts.append(f"{label} within {ERROR_BOUND:.0%} in {sum(e <= ERROR_BOUND for e in errors)} of {len(errors)} runs "
+                         f"(median error {float(np.median(errors)):.0%})")
+    return "splits: predicted " + "; ".join(parts) if parts else "splits: no run to check the predictions against"
+
+
+def run_to_run(name: str, first: list[Run], again: list[Run]) -> str:
+    """The same deployment's runs measured twice: how much each measured figure moved."""
+    cells = []
+    moved = {"p50 TTFT": [], "p50 TPOT": []}
+    for a, b in zip(first, again):
+        ttft, tpot = _relative(b.ttft_p50_ms[0], a.ttft_p50_ms[0]), _relative(b.tpot_p50_ms[0], a.tpot_p50_ms[0])
+        moved["p50 TTFT"].append(abs(ttft))
+        moved["p50 TPOT"].append(abs(tpot))
+        cells.append(f"{a.rate:g} req/s: attainment {a.attainment[0]:.0%} then {b.attainment[0]:.0%}, p50 TTFT {a.ttft_p50_ms[0]:.0f} then "
+                     f"{b.ttft_p50_ms[0]:.0f} ms ({ttft:+.0%}), p50 TPOT {a.tpot_p50_ms[0]:.0f} then {b.tpot_p50_ms[0]:.0f} ms ({tpot:+.0%})")
+    worst = ", ".join(f"{label} up to {max(values):.0%}" for label, values in moved.items() if values)
+    return f"splits: {name} measured first and again last: " + "; ".join(cells) + f". The same runs moved by {worst}"
+
+
 def _cell(run: Run) -> str:
     return (f"{run.attainment[0]:.0%} / {run.attainment[1]:.0%}, "
             f"{run.ttft_p50_ms[0]:.0f} / {run.ttft_p50_ms[1]:.0f}, {run.tpot_p50_ms[0]:.0f} / {run.tpot_p50_ms[1]:.0f}")
+
+
+def _dir(deployment: Deployment) -> str:
+    return str(deployment).replace(" ", "").replace("+", "-")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="0.1,0.2,0.3,0.4,0.5", help="comma-separated request rates")
     p.add_argument("--seconds", type=float, default=60.0, help="each run's duration")
     p.add_argument("--out", type=Path, help="output directory (default: results/splits-<timestamp>)")
+    p.add_argument("--no-repeat", action="store_true", help="do not serve the first deployment's rates again at the end")
     a = p.parse_args(argv)
     if a.instances < 2:
         raise SystemExit("error: --instances must be at least 2: one prefill and one decode instance")
@@ -110,20 +153,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"splits: {a.instances} engine instances on {len(os.sched_getaffinity(0))} cores; prompts of {a.prompt_tokens} tokens "
           f"at {', '.join(f'{r:g}' for r in rates)} req/s, {a.seconds:g} s each; SLO TTFT <= {slo.ttft_ms:g} ms, "
           f"TPOT <= {slo.tpot_ms:g} ms", flush=True)
-    runs: dict[str, list[Run]] = {}
-    for deployment, kind, spec in deployments:
-        name = str(deployment)
-        runs[name] = []
+    def measured(deployment: Deployment, kind: str, spec: DeploymentSpec, again: bool = False) -> list[Run]:
+        name, found = str(deployment), []
         for rate in rates:
-            samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, out / name.replace(" ", "").replace("+", "-"))
+            samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, out / (_dir(deployment) + ("-again" if again else "")))
             samples = read_samples([samples_path])
-            measured = run_stats(samples, slo)
+            stats = run_stats(samples, slo)
             pred = predicted_run(planner, deployment, samples, traffic)
-            run = Run(rate, (measured.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
-                      (measured.slo_attainment, pred.attainment if pred else 0.0),
-                      (measured.tpot_ms["p50"] or 0.0, pred.tpot_p50_s * 1e3 if pred else float("nan")))
-            runs[name].append(run)
-            print(f"[{name} at {rate:g} req/s] {_cell(run)}", flush=True)
+            run = Run(rate, (stats.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
+                      (stats.slo_attainment, pred.attainment if pred else 0.0),
+                      (stats.tpot_ms["p50"] or 0.0, pred.tpot_p50_s * 1e3 if pred else float("nan")))
+            found.append(run)
+            print(f"[{name} at {rate:g} req/s{', again' if again else ''}] {_cell(run)}", flush=True)
+        return found
+
+    runs = {str(d): measured(d, kind, spec) for d, kind, spec in deployments}
+    first = deployments[0]
+    again = None if a.no_repeat else measured(*first, again=True)
     measured_goodput = {name: highest_met_rate((r.rate, r.attainment[0]) for r in rs) for name, rs in runs.items()}
     predicted_goodput = {str(d): planner.goodput(d, traffic) for d, _, _ in deployments}
     print(f"\n{'deployment':<24} | {'goodput req/s meas | pred':>25} | per rate: attainment meas / pred, p50 TTFT ms meas / pred, p50 TPOT ms meas / pred")
@@ -132,10 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         meas = measured_goodput[name]
         print(f"{name:<24} | {'-' if meas is None else f'{meas:g}':>11} | {predicted_goodput[name]:>11.2f} | {cells}")
     line = verdict(measured_goodput, predicted_goodput)
-    print(line, flush=True)
+    errors = prediction_errors(runs)
+    repeat = None if again is None else run_to_run(str(first[0]), runs[str(first[0])], again)
+    for text in (line, errors, repeat):
+        if text:
+            print(text, flush=True)
     (out / "splits.json").write_text(json.dumps({
         "instances": a.instances, "prompt_tokens": a.prompt_tokens, "slo": asdict(slo),
         "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
+        "again": None if again is None else {"deployment": str(first[0]), "runs": [asdict(r) for r in again]},
+        "errors": errors, "run_to_run": repeat,
         "goodput": {"measured": measured_goodput, "predicted": predicted_goodput}, "verdict": line,
         "planner": planner.fitted(),
     }, indent=2))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from engine_helpers import EngineFactory
 
-from disagg.bench.front import PATHS, PROMPT, Driver, Flight, front_spec, measure, skipped_compute
+from disagg.bench.front import PATHS, PROMPT, Driver, Flight, Level, front_spec, measure, skipped_compute, summary
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.sampling import NO_END_ID
 
@@ -101,3 +101,13 @@ def test_the_driver_lets_go_of_a_server_that_stopped_answering(tmp_path):
             assert driver.errors == 1 and not driver.flights  # cut off mid-answer, counted as failed, nothing sent after
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
+
+
+def test_the_front_ceiling_is_given_against_the_engine_timed_before_and_after_the_front():
+    rows = [Level("tensorrt_llm_bls", 64, 1200.0, 200.0, 40.0, 40.0, 700, 0, {"tritonserver": 0.3, "stub tensorrt_llm_bls": 0.4}),
+            Level("prefill + decode", 64, 2400.0, 60.0, 21.0, 21.0, 1400, 0, {"tritonserver": 0.2})]
+    lines = summary(rows, ({16: 250.0, 64: 400.0}, {16: 300.0, 64: 600.0}))
+    assert lines[-1] == ("  front ceiling (tensorrt_llm_bls, best level) 1200 tokens/s = 3.00x / 2.00x the computing decode engine's "
+                         "best timed before / after the front's runs (400 / 600 tokens/s on bench-100mb; batch 16 250, batch 64 400, "
+                         "batch 16 300, batch 64 600)")
+    assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from loadtest.report import highest_met_rate
-from loadtest.splits import Run, split_spec, verdict
+from loadtest.splits import Run, prediction_errors, run_to_run, split_spec, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,3 +43,23 @@ def test_the_verdict_rates_the_choice_against_the_measured_best():
     assert line == ("splits: the planner chooses prefill x2 + decode x1 (predicted 0.31 req/s); measured best aggregated x3 "
                     "(0.3 req/s); the choice measured 0.2 req/s = 67% of the best")
     assert "nothing to compare" in verdict({name: None for name in predicted}, predicted)
+
+
+def test_prediction_errors_count_the_runs_within_a_fifth_and_leave_out_those_without_a_prediction():
+    runs = {"prefill x2 + decode x1": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 30.0)),  # TTFT +10%, TPOT -40%
+                                       Run(2.0, (800.0, 1040.0), (1.0, 1.0), (80.0, 88.0))],  # +30%, +10%
+              "aggregated x3": [Run(1.5, (900.0, float("nan")), (0.0, 0.0), (60.0, float("nan")))]}
+    line = prediction_errors(runs)
+    assert line == ("splits: predicted p50 TTFT within 20% in 1 of 2 runs (median error 20%); "
+                    "p50 TPOT within 20% in 1 of 2 runs (median error 25%)")
+    assert prediction_errors({}) == "splits: no run to check the predictions against"
+
+
+def test_run_to_run_says_how_far_the_same_runs_moved():
+    first = [Run(1.5, (2000.0, 2800.0), (0.8, 0.7), (40.0, 27.0)), Run(2.0, (5800.0, 6000.0), (0.3, 0.3), (40.0, 27.0))]
+    again = [Run(1.5, (2500.0, 2800.0), (0.7, 0.7), (36.0, 27.0)), Run(2.0, (5220.0, 6000.0), (0.25, 0.3), (44.0, 27.0))]
+    line = run_to_run("prefill x1 + decode x2", first, again)
+    assert line == ("splits: prefill x1 + decode x2 measured first and again last: "
+                    "1.5 req/s: attainment 80% then 70%, p50 TTFT 2000 then 2500 ms (+25%), p50 TPOT 40 then 36 ms (-10%); "
+                    "2 req/s: attainment 30% then 25%, p50 TTFT 5800 then 5220 ms (-10%), p50 TPOT 40 then 44 ms (+10%). "
+                    "The same runs moved by p50 TTFT up to 25%, p50 TPOT up to 10%")

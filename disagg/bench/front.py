@@ -21,7 +21,8 @@ unless responses carry several tokens: `--coalesce-backlog`); then ensemble vs d
 and per-token cost added) and at each level (tokens/s ratio), and where the CPU goes: CPU ms per output token of each
 process (tritonserver, each model's Python stub, this client) over the window of the highest level,
 which is what limits the front on a machine whose cores it saturates. The engines' own ceiling is printed beside it: the decode
-tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64.
+tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64, timed before the front's runs and
+again after them, since this machine's speed moves over the minutes between (the ratio is given against both).
 
 One client drives every path the same way (one gRPC stream, requests told apart by id) and shares the
 machine's cores with the server: at high concurrency it is part of what is measured, for every path alike.
@@ -51,6 +52,7 @@ LEVELS = (1, 16, 64, 256)
 PATHS = ("ensemble", "tensorrt_llm_bls", "prefill + decode", "aggregated", "aggregated_engine")
 TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated")
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
+CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside the front
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
 
 
@@ -315,7 +317,9 @@ def engine_ceiling(root: Path, batches: list[int]) -> dict[int, float]:
     return decode_tokens_per_s(root, "bench-100mb", 256, 32, batches)
 
 
-def summary(rows: list[Level], ceiling: dict[int, float]) -> list[str]:
+def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float]]) -> list[str]:
+    """The comparisons printed after the rows; `ceilings`: the computing decode engine's tokens/s by batch, timed
+    before and after the rows."""
     by = {(r.path, r.streams): r for r in rows}
     lines = []
     for front, direct in (("ensemble", "prefill + decode"), ("tensorrt_llm_bls", "prefill + decode"), ("aggregated", "aggregated_engine")):
@@ -325,18 +329,22 @@ def summary(rows: list[Level], ceiling: dict[int, float]) -> list[str]:
                          f"+{one_f.token_ms - one_d.token_ms:.3f} ms, gap between responses +{one_f.gap_ms - one_d.gap_ms:.3f} ms")
         ratios = [f"{s}: {by[(front, s)].tokens_per_s / by[(direct, s)].tokens_per_s:.2f}"
                   for s in sorted({r.streams for r in rows}) if (front, s) in by and (direct, s) in by]
-        lines.append(f"  {front} / {direct} tokens/s by streams: " + ", ".join(ratios))
+        if ratios:
+            lines.append(f"  {front} / {direct} tokens/s by streams: " + ", ".join(ratios))
     top = max(r.streams for r in rows)
     lines.append(f"  CPU ms per output token by process, {top} streams (2+ cores busy means the machine, not the engine, is the limit):")
     for r in (r for r in rows if r.streams == top):
         shares = sorted(((ms, name) for name, ms in r.cpu_ms_per_token.items() if ms >= 0.005), reverse=True)
         lines.append(f"    {r.path:<18} total {sum(ms for ms, _ in shares):.2f}: " + ", ".join(f"{name} {ms:.2f}" for ms, name in shares))
-    peak_engine = max(ceiling.values(), default=0.0)
+    peaks = [max(ceiling.values(), default=0.0) for ceiling in ceilings]
+    timed = ", ".join(f"batch {batch} {rate:.0f}" for ceiling in ceilings for batch, rate in sorted(ceiling.items()))
     for front in ("ensemble", "tensorrt_llm_bls"):
         peak_front = max((r.tokens_per_s for r in rows if r.path == front), default=0.0)
-        if peak_engine and peak_front:
-            lines.append(f"  front ceiling ({front}, best level) {peak_front:.0f} tokens/s = {peak_front / peak_engine:.2f}x the computing "
-                         f"decode engine's best ({peak_engine:.0f} tokens/s on bench-100mb, batch {max(ceiling, key=ceiling.get)})")
+        if all(peaks) and peak_front:
+            lines.append(f"  front ceiling ({front}, best level) {peak_front:.0f} tokens/s = "
+                         f"{' / '.join(f'{peak_front / peak:.2f}x' for peak in peaks)} the computing decode engine's best timed "
+                         f"before / after the front's runs ({' / '.join(f'{peak:.0f}' for peak in peaks)} tokens/s on bench-100mb; "
+                         f"{timed})")
     return lines
 
 
@@ -359,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"front cost with engine compute skipped ({step}; {args.max_tokens} tokens per request, {args.seconds:g} s per row; "
           "ms: TTFT p50, p50 of each request's mean gap between token responses and of its time per token after the first)")
     print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'ms/token':>11}{'requests':>10}{'errors':>8}")
+    before = engine_ceiling(Path("build"), CEILING_BATCHES)
     rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog)
-    ceiling = engine_ceiling(Path("build"), [16, 64])
-    for line in summary(rows, ceiling):
+    for line in summary(rows, (before, engine_ceiling(Path("build"), CEILING_BATCHES))):
         print(line)
     return 0
