@@ -70,6 +70,16 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     assert by["aggregated"]["stub aggregated_orchestrator"] > 0.05 and by["aggregated"]["stub aggregated_engine"] > 0.01, by["aggregated"]
 
 
+@pytest.mark.e2e
+def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_whole_window(tmp_path):
+    """One stream with 20 ms steps: a 16-token request takes about 0.33 s, so a 0.01 s window would hold one."""
+    [row] = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (1,), 0.01, 16, step_ms=20.0,
+                    paths=("prefill + decode",), min_requests=6)
+    assert row.errors == 0 and 6 <= row.completed <= 7, row
+    assert 35 < row.tokens_per_s < 52, row  # one token per 20 ms step and a little more, over the window it ran
+    assert 19 < row.gap_ms < 30, row
+
+
 def test_the_driver_lets_go_of_a_server_that_stopped_answering(tmp_path):
     """A crashed tritonserver can deadlock in its signal handler, alive and silent (README, Known problems).
     The bench's client must then cancel its stream, not wait for the server to end it: it did wait, for
@@ -111,3 +121,6 @@ def test_the_front_ceiling_is_given_against_the_engine_timed_before_and_after_th
                          "best timed before / after the front's runs (400 / 600 tokens/s on bench-100mb; batch 16 250, batch 64 400, "
                          "batch 16 300, batch 64 600)")
     assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured
+    one = [Level("tensorrt_llm_bls", 1, 48.0, 28.93, 20.945, 20.945, 21, 0), Level("prefill + decode", 1, 48.0, 24.94, 21.0, 21.0, 22, 0)]
+    assert summary(one, ({64: 1.0}, {64: 1.0}))[0] == ("  tensorrt_llm_bls vs prefill + decode, 1 stream: TTFT +3.99 ms, per token "
+                                                      "-0.055 ms, gap between responses -0.055 ms (21 and 22 requests)")

@@ -2,8 +2,8 @@
 
 The engines run with DISAGG_SKIP_COMPUTE=1 (disagg.engine.no_compute): their contract, scheduling, KV
 bookkeeping and handoffs are unchanged, only the forward pass is gone, so a token costs what the stack
-around the engine makes it cost. Per concurrency (streams kept in flight, closed loop, `--seconds` each)
-and per path, side by side in one run:
+around the engine makes it cost. Per concurrency (streams kept in flight, closed loop, `--seconds` each, or
+until `--min-requests` sent in that time have completed) and per path, side by side in one run:
 
     ensemble             text in, text out: preprocessing -> orchestrator -> prefill, decode -> postprocessing
     tensorrt_llm_bls     text in, text out, the same request and answer: one model tokenizes, orchestrates
@@ -53,6 +53,7 @@ PATHS = ("ensemble", "tensorrt_llm_bls", "prefill + decode", "aggregated", "aggr
 TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated")
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
 CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside the front
+MAX_WINDOW_S = 60.0  # a row's window at most, however few requests it has completed
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
 
 
@@ -170,15 +171,23 @@ class Driver:
         self.per_token: list[float] = []
         self.errors = 0
 
-    def run(self, path: str, streams: int, seconds: float) -> Level:
+    def run(self, path: str, streams: int, seconds: float, min_requests: int = 0) -> Level:
+        """One row: `streams` requests kept in flight for `seconds`, or longer, up to MAX_WINDOW_S, until
+        `min_requests` sent in the window have completed (one stream with 20 ms steps completes four 64-token
+        requests in 5 s, too few for a median)."""
         start = time.perf_counter()
         with self._lock:
-            self._reset(path, start + seconds)
-            self.window = (start, start + seconds)
+            self._reset(path, start + MAX_WINDOW_S)
+            self.window = (start, start + MAX_WINDOW_S)
             before = cpu_seconds(self.server_pid)
             for _ in range(streams):
                 self._send_new(start)
         time.sleep(max(0.0, start + seconds - time.perf_counter()))
+        while len(self.ttfts) < min_requests and time.perf_counter() < start + MAX_WINDOW_S:
+            time.sleep(0.05)
+        with self._lock:
+            end = time.perf_counter()
+            self.until, self.window = end, (start, end)  # no request sent, no token counted, after this
         after = cpu_seconds(self.server_pid)
         with self._lock:
             if not self._idle.wait_for(lambda: not self.flights, timeout=DRAIN_S):
@@ -186,7 +195,8 @@ class Driver:
         med = (lambda xs: float(np.median(xs)) * 1e3 if xs else float("nan"))
         tokens = max(1, self.tokens_in_window)
         cpu = {name: (after[name] - before.get(name, 0.0)) * 1e3 / tokens for name in after}
-        return Level(path, streams, self.tokens_in_window / seconds, med(self.ttfts), med(self.gaps), med(self.per_token), len(self.ttfts), self.errors, cpu)
+        return Level(path, streams, self.tokens_in_window / (end - start), med(self.ttfts), med(self.gaps), med(self.per_token),
+                     len(self.ttfts), self.errors, cpu)
 
     def close(self) -> None:
         """Ends the stream, cancelling it only while requests are in flight: a server that has stopped
@@ -284,7 +294,7 @@ def skipped_compute(step_ms: float) -> Iterator[None]:
 
 
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
-            coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS) -> list[Level]:
+            coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0) -> list[Level]:
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
@@ -300,7 +310,7 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                 driver.run(path, 4, 1.0)  # warm-up: connections, first-call imports
             for streams in levels:
                 for path in paths:
-                    rows.append(driver.run(path, streams, seconds))
+                    rows.append(driver.run(path, streams, seconds, min_requests))
                     r = rows[-1]
                     print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
         except RuntimeError as exc:
@@ -325,8 +335,9 @@ def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float
     for front, direct in (("ensemble", "prefill + decode"), ("tensorrt_llm_bls", "prefill + decode"), ("aggregated", "aggregated_engine")):
         one_f, one_d = by.get((front, 1)), by.get((direct, 1))
         if one_f and one_d:
-            lines.append(f"  {front} vs {direct}, 1 stream: TTFT +{one_f.ttft_ms - one_d.ttft_ms:.2f} ms, per token "
-                         f"+{one_f.token_ms - one_d.token_ms:.3f} ms, gap between responses +{one_f.gap_ms - one_d.gap_ms:.3f} ms")
+            lines.append(f"  {front} vs {direct}, 1 stream: TTFT {one_f.ttft_ms - one_d.ttft_ms:+.2f} ms, per token "
+                         f"{one_f.token_ms - one_d.token_ms:+.3f} ms, gap between responses {one_f.gap_ms - one_d.gap_ms:+.3f} ms "
+                         f"({one_f.completed} and {one_d.completed} requests)")
         ratios = [f"{s}: {by[(front, s)].tokens_per_s / by[(direct, s)].tokens_per_s:.2f}"
                   for s in sorted({r.streams for r in rows}) if (front, s) in by and (direct, s) in by]
         if ratios:
@@ -355,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrent streams, comma-separated")
     p.add_argument("--seconds", type=float, default=5.0, help="measured window per path and level")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-requests", type=int, default=20,
+                   help="a row's window lasts until this many requests sent in it have completed (at most 60 s)")
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="each engine step takes this long without using the CPU, as on a GPU (default 0: as fast as it goes)")
     p.add_argument("--coalesce-backlog", type=int, default=0,
@@ -364,11 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     step = f"{args.step_ms:g} ms per engine step" if args.step_ms else "engine steps as fast as they go"
     if args.coalesce_backlog:
         step += f"; orchestrators coalesce once {args.coalesce_backlog} responses wait"
-    print(f"front cost with engine compute skipped ({step}; {args.max_tokens} tokens per request, {args.seconds:g} s per row; "
+    print(f"front cost with engine compute skipped ({step}; {args.max_tokens} tokens per request, {args.seconds:g} s per row "
+          f"or until {args.min_requests} requests have completed; "
           "ms: TTFT p50, p50 of each request's mean gap between token responses and of its time per token after the first)")
     print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'ms/token':>11}{'requests':>10}{'errors':>8}")
     before = engine_ceiling(Path("build"), CEILING_BATCHES)
-    rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog)
+    rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog,
+                   min_requests=args.min_requests)
     for line in summary(rows, (before, engine_ceiling(Path("build"), CEILING_BATCHES))):
         print(line)
     return 0
