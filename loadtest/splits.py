@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"splits: {a.instances} engine instances on {len(os.sched_getaffinity(0))} cores; prompts of {a.prompt_tokens} tokens "
           f"at {', '.join(f'{r:g}' for r in rates)} req/s, {a.seconds:g} s each; SLO TTFT <= {slo.ttft_ms:g} ms, "
           f"TPOT <= {slo.tpot_ms:g} ms", flush=True)
+
     def measured(deployment: Deployment, kind: str, spec: DeploymentSpec, again: bool = False) -> list[Run]:
         name, found = str(deployment), []
         for rate in rates:
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return found
 
     runs = {str(d): measured(d, kind, spec) for d, kind, spec in deployments}
-    first = deployments[0]
-    again = None if a.no_repeat else measured(*first, again=True)
+    repeated = deployments[0]
+    again = None if a.no_repeat else measured(*repeated, again=True)
     measured_goodput = {name: highest_met_rate((r.rate, r.attainment[0]) for r in rs) for name, rs in runs.items()}
     predicted_goodput = {str(d): planner.goodput(d, traffic) for d, _, _ in deployments}
     print(f"\n{'deployment':<24} | {'goodput req/s meas | pred':>25} | per rate: attainment meas / pred, p50 TTFT ms meas / pred, p50 TPOT ms meas / pred")
@@ -179,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<24} | {'-' if meas is None else f'{meas:g}':>11} | {predicted_goodput[name]:>11.2f} | {cells}")
     line = verdict(measured_goodput, predicted_goodput)
     errors = prediction_errors(runs)
-    repeat = None if again is None else run_to_run(str(first[0]), runs[str(first[0])], again)
+    repeat = None if again is None else run_to_run(str(repeated[0]), runs[str(repeated[0])], again)
     for text in (line, errors, repeat):
         if text:
             print(text, flush=True)
     (out / "splits.json").write_text(json.dumps({
         "instances": a.instances, "prompt_tokens": a.prompt_tokens, "slo": asdict(slo),
         "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
-        "again": None if again is None else {"deployment": str(first[0]), "runs": [asdict(r) for r in again]},
+        "again": None if again is None else {"deployment": str(repeated[0]), "runs": [asdict(r) for r in again]},
         "errors": errors, "run_to_run": repeat,
         "goodput": {"measured": measured_goodput, "predicted": predicted_goodput}, "verdict": line,
         "planner": planner.fitted(),
