@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -73,9 +74,11 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
 @pytest.mark.e2e
 def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_whole_window(tmp_path):
     """One stream with 20 ms steps: a 16-token request takes about 0.33 s, so a 0.01 s window would hold one."""
-    [row] = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (1,), 0.01, 16, step_ms=20.0,
-                    paths=("prefill + decode",), min_requests=6)
+    row, *rounds = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (1,), 0.01, 16, step_ms=20.0,
+                           paths=("prefill + decode",), min_requests=6, alternate=3)
     assert row.errors == 0 and 6 <= row.completed <= 7, row
+    assert [(r.path, r.round, r.completed) for r in rounds] == [("prefill + decode", i, 1) for i in range(3)]
+    assert all(19 < r.ttft_ms < 60 for r in rounds), rounds  # one request each: its own prefill step
     assert 35 < row.tokens_per_s < 52, row  # one token per 20 ms step and a little more, over the window it ran
     assert 19 < row.gap_ms < 30, row
 
@@ -121,6 +124,14 @@ def test_the_front_ceiling_is_given_against_the_engine_timed_before_and_after_th
                          "best timed before / after the front's runs (400 / 600 tokens/s on bench-100mb; batch 16 250, batch 64 400, "
                          "batch 16 300, batch 64 600)")
     assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured
+    rounds = [Level(path, 1, 0.0, ttft, 21.0, token, 1, 0, round=i) for i, (path, ttft, token) in enumerate(
+        [("tensorrt_llm_bls", 30.0, 21.1), ("prefill + decode", 26.0, 21.0), ("tensorrt_llm_bls", 27.0, 21.0),
+         ("prefill + decode", 26.0, 21.0), ("tensorrt_llm_bls", 29.0, 21.3)])]
+    rounds = [replace(r, round=i // 2) for i, r in enumerate(rounds)]  # rounds 0, 0, 1, 1, 2: round 2 has no pair
+    lines = summary(rows + rounds, ({64: 400.0}, {64: 600.0}))
+    assert lines[1] == ("  tensorrt_llm_bls vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +2.50 ms "
+                        "(quartiles +1.75 to +3.25), per token +0.050 ms (+0.025 to +0.075)")
+    assert lines[-1].startswith("  front ceiling (tensorrt_llm_bls, best level) 1200 tokens/s = 3.00x / 2.00x")  # the rounds are no level
     one = [Level("tensorrt_llm_bls", 1, 48.0, 28.93, 20.945, 20.945, 21, 0), Level("prefill + decode", 1, 48.0, 24.94, 21.0, 21.0, 22, 0)]
     assert summary(one, ({64: 1.0}, {64: 1.0}))[0] == ("  tensorrt_llm_bls vs prefill + decode, 1 stream: TTFT +3.99 ms, per token "
                                                       "-0.055 ms, gap between responses -0.055 ms (21 and 22 requests)")

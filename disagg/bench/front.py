@@ -20,7 +20,9 @@ of their mean gap between token responses and of their time per token after the 
 unless responses carry several tokens: `--coalesce-backlog`); then ensemble vs direct at one stream (TTFT
 and per-token cost added) and at each level (tokens/s ratio), and where the CPU goes: CPU ms per output token of each
 process (tritonserver, each model's Python stub, this client) over the window of the highest level,
-which is what limits the front on a machine whose cores it saturates. The engines' own ceiling is printed beside it: the decode
+which is what limits the front on a machine whose cores it saturates. Then `--alternate` rounds of one request on
+each path in turn: the one-stream comparison again, as quartiles of the rounds' differences, which a drift in the
+machine's speed between two rows does not move. The engines' own ceiling is printed beside it: the decode
 tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64, timed before the front's runs and
 again after them, since this machine's speed moves over the minutes between (the ratio is given against both).
 
@@ -35,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +126,7 @@ class Level:
     completed: int
     errors: int
     cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # by process, over the window
+    round: int | None = None  # a single request of the alternated rounds (`measure`'s `alternate`)
 
 
 def cpu_seconds(server_pid: int) -> dict[str, float]:
@@ -160,6 +163,7 @@ class Driver:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._count = 0
+        self.left: int | None = None  # requests the row may still send (None: no limit)
         self._reset("ensemble", 0.0)
 
     def _reset(self, path: str, until: float) -> None:
@@ -171,13 +175,14 @@ class Driver:
         self.per_token: list[float] = []
         self.errors = 0
 
-    def run(self, path: str, streams: int, seconds: float, min_requests: int = 0) -> Level:
+    def run(self, path: str, streams: int, seconds: float, min_requests: int = 0, max_requests: int | None = None) -> Level:
         """One row: `streams` requests kept in flight for `seconds`, or longer, up to MAX_WINDOW_S, until
         `min_requests` sent in the window have completed (one stream with 20 ms steps completes four 64-token
-        requests in 5 s, too few for a median)."""
+        requests in 5 s, too few for a median); no more than `max_requests` sent."""
         start = time.perf_counter()
         with self._lock:
             self._reset(path, start + MAX_WINDOW_S)
+            self.left = max_requests
             self.window = (start, start + MAX_WINDOW_S)
             before = cpu_seconds(self.server_pid)
             for _ in range(streams):
@@ -207,6 +212,10 @@ class Driver:
 
     # -- under the lock, from run() or the stream's callback thread ----------------------------------
     def _send_new(self, now: float) -> None:
+        if self.left is not None:
+            if not self.left:
+                return
+            self.left -= 1
         self._count += 1
         request_id = str(self._count)
         if self.path in TEXT_PATHS:
@@ -294,7 +303,10 @@ def skipped_compute(step_ms: float) -> Iterator[None]:
 
 
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
-            coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0) -> list[Level]:
+            coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0, alternate: int = 0) -> list[Level]:
+    """A row per level and path; then, with `alternate`, that many rounds of one request on each path in turn
+    (the first path rotating), each a row of its own with its `round`: a drift in the machine's speed, which
+    moves a whole row's TTFT by milliseconds here, then hits every path's request of a round alike."""
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
@@ -313,6 +325,9 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                     rows.append(driver.run(path, streams, seconds, min_requests))
                     r = rows[-1]
                     print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
+            for i in range(alternate):
+                for path in paths[i % len(paths):] + paths[:i % len(paths)]:
+                    rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1), round=i))
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}; the server's log ({server.log_path}):\n{server.log_excerpt(5)}") from exc
         finally:
@@ -327,9 +342,25 @@ def engine_ceiling(root: Path, batches: list[int]) -> dict[int, float]:
     return decode_tokens_per_s(root, "bench-100mb", 256, 32, batches)
 
 
+def _paired(rounds: list[Level], front: str, direct: str) -> str | None:
+    """TTFT and time per token that `front` added to `direct` in the alternated rounds, as quartiles of the
+    rounds' differences."""
+    by = {(r.path, r.round): r for r in rounds}
+    pairs = [(by[(front, i)], by[(direct, i)]) for i in sorted({r.round for r in rounds})
+             if (front, i) in by and (direct, i) in by and by[(front, i)].completed and by[(direct, i)].completed]
+    if not pairs:
+        return None
+    ttft = np.percentile([f.ttft_ms - d.ttft_ms for f, d in pairs], (25, 50, 75))
+    token = np.percentile([f.token_ms - d.token_ms for f, d in pairs], (25, 50, 75))
+    return (f"  {front} vs {direct}, one request at a time, alternated ({len(pairs)} rounds): TTFT {ttft[1]:+.2f} ms "
+            f"(quartiles {ttft[0]:+.2f} to {ttft[2]:+.2f}), per token {token[1]:+.3f} ms ({token[0]:+.3f} to {token[2]:+.3f})")
+
+
 def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float]]) -> list[str]:
     """The comparisons printed after the rows; `ceilings`: the computing decode engine's tokens/s by batch, timed
     before and after the rows."""
+    rounds = [r for r in rows if r.round is not None]
+    rows = [r for r in rows if r.round is None]
     by = {(r.path, r.streams): r for r in rows}
     lines = []
     for front, direct in (("ensemble", "prefill + decode"), ("tensorrt_llm_bls", "prefill + decode"), ("aggregated", "aggregated_engine")):
@@ -342,6 +373,9 @@ def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float
                   for s in sorted({r.streams for r in rows}) if (front, s) in by and (direct, s) in by]
         if ratios:
             lines.append(f"  {front} / {direct} tokens/s by streams: " + ", ".join(ratios))
+        paired = _paired(rounds, front, direct)
+        if paired:
+            lines.append(paired)
     top = max(r.streams for r in rows)
     lines.append(f"  CPU ms per output token by process, {top} streams (2+ cores busy means the machine, not the engine, is the limit):")
     for r in (r for r in rows if r.streams == top):
@@ -368,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-requests", type=int, default=20,
                    help="a row's window lasts until this many requests sent in it have completed (at most 60 s)")
+    p.add_argument("--alternate", type=int, default=20,
+                   help="then this many rounds of one request on each path in turn, for the one-stream comparison")
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="each engine step takes this long without using the CPU, as on a GPU (default 0: as fast as it goes)")
     p.add_argument("--coalesce-backlog", type=int, default=0,
@@ -383,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'ms/token':>11}{'requests':>10}{'errors':>8}")
     before = engine_ceiling(Path("build"), CEILING_BATCHES)
     rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog,
-                   min_requests=args.min_requests)
+                   min_requests=args.min_requests, alternate=args.alternate)
     for line in summary(rows, (before, engine_ceiling(Path("build"), CEILING_BATCHES))):
         print(line)
     return 0
