@@ -20,11 +20,12 @@ of their mean gap between token responses and of their time per token after the 
 unless responses carry several tokens: `--coalesce-backlog`); then ensemble vs direct at one stream (TTFT
 and per-token cost added) and at each level (tokens/s ratio), and where the CPU goes: CPU ms per output token of each
 process (tritonserver, each model's Python stub, this client) over the window of the highest level,
-which is what limits the front on a machine whose cores it saturates. Then `--alternate` rounds of one request on
-each path in turn: the one-stream comparison again, as quartiles of the rounds' differences, which a drift in the
-machine's speed between two rows does not move. The engines' own ceiling is printed beside it: the decode
-tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64, timed before the front's runs and
-again after them, since this machine's speed moves over the minutes between (the ratio is given against both).
+which is what limits the front on a machine whose cores it saturates. The engines' own ceiling is printed beside
+it: the decode tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64, timed
+before the front's runs and again after them, since this machine's speed moves over the minutes between (the
+ratio is given against both). Last, `--alternate` rounds of one request on each path in turn give the one-stream
+comparison again, as quartiles of the rounds' differences, which a drift in the machine's speed between two rows
+does not move.
 
 One client drives every path the same way (one gRPC stream, requests told apart by id) and shares the
 machine's cores with the server: at high concurrency it is part of what is measured, for every path alike.
