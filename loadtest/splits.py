@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -90,7 +91,7 @@ def prediction_errors(runs: dict[str, list[Run]]) -> str:
     parts = []
     for label, pick in (("p50 TTFT", lambda r: r.ttft_p50_ms), ("p50 TPOT", lambda r: r.tpot_p50_ms)):
         errors = [abs(_relative(pick(r)[1], pick(r)[0])) for rs in runs.values() for r in rs if pick(r)[0]]
-        errors = [e for e in errors if e == e]  # a run the planner had no prediction for is left out
+        errors = [e for e in errors if not math.isnan(e)]  # a run the planner had no prediction for is left out
         if errors:
             parts.append(f"{label} within {ERROR_BOUND:.0%} in {sum(e <= ERROR_BOUND for e in errors)} of {len(errors)} runs "
                          f"(median error {float(np.median(errors)):.0%})")

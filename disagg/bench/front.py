@@ -164,11 +164,12 @@ class Driver:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._count = 0
-        self.left: int | None = None  # requests the row may still send (None: no limit)
         self._reset("ensemble", 0.0)
 
-    def _reset(self, path: str, until: float) -> None:
+    def _reset(self, path: str, until: float, max_requests: int | None = None) -> None:
+        """A new row's state."""
         self.path, self.until = path, until
+        self.left = max_requests  # requests the row may still send (None: no limit)
         self.flights: dict[str, Flight] = {}
         self.tokens_in_window, self.window = 0, (0.0, until)
         self.ttfts: list[float] = []
@@ -182,8 +183,7 @@ class Driver:
         requests in 5 s, too few for a median); no more than `max_requests` sent."""
         start = time.perf_counter()
         with self._lock:
-            self._reset(path, start + MAX_WINDOW_S)
-            self.left = max_requests
+            self._reset(path, start + MAX_WINDOW_S, max_requests)
             self.window = (start, start + MAX_WINDOW_S)
             before = cpu_seconds(self.server_pid)
             for _ in range(streams):
