@@ -2,6 +2,7 @@
 and `python -m disagg.bench front` measures every path on a real tritonserver."""
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -77,8 +78,13 @@ def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_w
     row, *rounds = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (1,), 0.01, 16, step_ms=20.0,
                            paths=("prefill + decode",), min_requests=6, alternate=3)
     assert row.errors == 0 and 6 <= row.completed <= 7, row
-    assert [(r.path, r.round, r.completed) for r in rounds] == [("prefill + decode", i, 1) for i in range(3)]
-    assert all(19 < r.ttft_ms < 60 for r in rounds), rounds  # one request each: its own prefill step
+    # each round: one request on each path and on front_floor, the first path rotating
+    assert [(r.path, r.round, r.completed) for r in rounds] == [
+        ("prefill + decode", 0, 1), ("front_floor", 0, 1), ("front_floor", 1, 1), ("prefill + decode", 1, 1),
+        ("prefill + decode", 2, 1), ("front_floor", 2, 1)]
+    assert all(19 < r.ttft_ms < 60 and r.errors == 0 for r in rounds), rounds  # one request each: its own prefill step
+    assert all(math.isnan(r.token_ms) for r in rounds if r.path == "front_floor")  # the first token, no more
+    assert "front_floor vs prefill + decode, one request at a time, alternated (3 rounds): TTFT " in "\n".join(summary([row, *rounds], ({1: 1.0}, {1: 1.0})))
     assert 35 < row.tokens_per_s < 52, row  # one token per 20 ms step and a little more, over the window it ran
     assert 19 < row.gap_ms < 30, row
 
@@ -132,6 +138,12 @@ def test_the_front_ceiling_is_given_against_the_engine_timed_before_and_after_th
     assert lines[1] == ("  tensorrt_llm_bls vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +2.50 ms "
                         "(quartiles +1.75 to +3.25), per token +0.050 ms (+0.025 to +0.075)")
     assert lines[-1].startswith("  front ceiling (tensorrt_llm_bls, best level) 1200 tokens/s = 3.00x / 2.00x")  # the rounds are no level
+    floor = [Level("front_floor", 1, 0.0, ttft, 0.0, float("nan"), 1, 0, round=i) for i, ttft in ((0, 27.5), (1, 26.25))]
+    lines = summary(rows + rounds + floor, ({64: 400.0}, {64: 600.0}))
+    assert lines[2:4] == ["  front_floor vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +0.88 ms "
+                          "(quartiles +0.56 to +1.19)",
+                          "  tensorrt_llm_bls vs front_floor, one request at a time, alternated (2 rounds): TTFT +1.62 ms "
+                          "(quartiles +1.19 to +2.06)"]  # front_floor has no time per token
     one = [Level("tensorrt_llm_bls", 1, 48.0, 28.93, 20.945, 20.945, 21, 0), Level("prefill + decode", 1, 48.0, 24.94, 21.0, 21.0, 22, 0)]
     assert summary(one, ({64: 1.0}, {64: 1.0}))[0] == ("  tensorrt_llm_bls vs prefill + decode, 1 stream: TTFT +3.99 ms, per token "
                                                       "-0.055 ms, gap between responses -0.055 ms (21 and 22 requests)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -51,3 +52,27 @@ def test_each_decode_instance_is_its_own_model():
     assert {"decode", "decode_1", "decode_2"} <= set(models)
     assert 'string_value: "decode,decode_1,decode_2"' in models["disagg_orchestrator"]
     assert "count: 1" in models["decode_2"]
+
+
+def test_a_started_view_reads_the_board_on_its_own_thread_and_callers_never_wait_for_a_read(board, monkeypatch):
+    load_board.publish("k", "decode", "decode_0", in_flight=1, free_blocks=10)
+    readers = []
+    real = load_board.entries
+    monkeypatch.setattr(load_board, "entries", lambda *a: readers.append(threading.current_thread().name) or real(*a))
+    view = load_board.BoardView("k", max_age_s=0.02).start()
+    try:
+        load_board.publish("k", "decode", "decode_1", in_flight=3, free_blocks=5)
+        time.sleep(0.2)
+        for _ in range(20):
+            assert sorted(e.load.in_flight for e in view.entries("decode")) == [1, 3]
+            time.sleep(0.01)
+        assert set(readers) == {"load-board"} and len(readers) >= 5
+    finally:
+        view.close()
+    assert not any(t.name == "load-board" for t in threading.enumerate())
+    # not started: the caller reads, at most every max_age_s
+    readers.clear()
+    view = load_board.BoardView("k", max_age_s=60)
+    assert sorted(e.instance for e in view.entries("decode")) == ["decode_0", "decode_1"]
+    view.entries("decode")
+    assert readers == ["MainThread"]

@@ -11,6 +11,8 @@ until `--min-requests` sent in that time have completed) and per path, side by s
     prefill + decode     the same engines called directly with token ids, the client doing the handoff
     aggregated           text in, text out: the aggregated ensemble, same front, one engine
     aggregated_engine    that engine called directly
+    front_floor          token ids in, the first token out: the least a Python model between client and engine
+                         can add (disagg.bench.front_floor), in the alternated rounds only
 
 `--step-ms 20` makes every engine step take 20 ms without using the CPU, as a GPU's decode step would, so
 the engines' own cost does not compete with the front for this machine's cores.
@@ -25,7 +27,8 @@ it: the decode tokens/s of the reference engine on the `bench-100mb` model, comp
 before the front's runs and again after them, since this machine's speed moves over the minutes between (the
 ratio is given against both). Last, `--alternate` rounds of one request on each path in turn give the one-stream
 comparison again, as quartiles of the rounds' differences, which a drift in the machine's speed between two rows
-does not move.
+does not move; front_floor's rounds say how much of tensorrt_llm_bls's added TTFT any Python model and gRPC hop
+would add here, and how much is its own.
 
 One client drives every path the same way (one gRPC stream, requests told apart by id) and shares the
 machine's cores with the server: at high concurrency it is part of what is measured, for every path alike.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import threading
 import time
@@ -53,6 +57,7 @@ from tools.stream_client import build_inputs, end_stream
 
 LEVELS = (1, 16, 64, 256)
 PATHS = ("ensemble", "tensorrt_llm_bls", "prefill + decode", "aggregated", "aggregated_engine")
+FLOOR = "front_floor"  # a path of the alternated rounds only: it answers the first token, no more
 TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated")
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
 CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside the front
@@ -78,6 +83,29 @@ def front_spec(config: Path, out: Path, max_streams: int, coalesce_backlog: int 
     path = out / "spec.yaml"
     path.write_text(f"# {config} for `python -m disagg.bench front`: room for {max_streams} streams\n" + yaml.safe_dump(raw, sort_keys=False))
     return load_spec(path)
+
+
+FLOOR_CONFIG = f"""# disagg.bench.front_floor, for `python -m disagg.bench front` only
+name: "{FLOOR}"
+backend: "python"
+max_batch_size: 32
+model_transaction_policy {{ decoupled: true }}
+dynamic_batching {{ }}
+input {{ name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] allow_ragged_batch: true }}
+input {{ name: "input_lengths" data_type: TYPE_INT32 dims: [ 1 ] }}
+input {{ name: "request_output_len" data_type: TYPE_INT32 dims: [ 1 ] }}
+input {{ name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true }}
+input {{ name: "streaming" data_type: TYPE_BOOL dims: [ 1 ] optional: true }}
+output {{ name: "output_ids" data_type: TYPE_INT32 dims: [ -1, -1 ] }}
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+"""
+
+
+def install_floor(repository: Path) -> None:
+    """Adds front_floor to a built repository (its prefill engine model is `prefill`)."""
+    (repository / FLOOR / "1").mkdir(parents=True, exist_ok=True)
+    (repository / FLOOR / "config.pbtxt").write_text(FLOOR_CONFIG)
+    (repository / FLOOR / "1" / "model.py").write_text("from disagg.bench.front_floor import TritonPythonModel  # noqa: F401\n")
 
 
 def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
@@ -226,6 +254,9 @@ class Driver:
         elif self.path == "aggregated_engine":
             self.flights[request_id] = Flight(now, "engine")
             self._send_engine("aggregated_engine", request_id, "context_and_generation", None)
+        elif self.path == FLOOR:
+            self.flights[request_id] = Flight(now, "engine")
+            self._send_engine(FLOOR, request_id, "context_only", None)
         else:
             self.flights[request_id] = Flight(now, "prefill")
             self._send_engine("prefill", request_id, "context_only", None)
@@ -305,21 +336,24 @@ def skipped_compute(step_ms: float) -> Iterator[None]:
 
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
             coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0, alternate: int = 0) -> list[Level]:
-    """A row per level and path; then, with `alternate`, that many rounds of one request on each path in turn
-    (the first path rotating), each a row of its own with its `round`: a drift in the machine's speed, which
-    moves a whole row's TTFT by milliseconds here, then hits every path's request of a round alike."""
+    """A row per level and path; then, with `alternate`, that many rounds of one request on each path and
+    front_floor in turn (the first path rotating), each a row of its own with its `round`: a drift in the
+    machine's speed, which moves a whole row's TTFT by milliseconds here, then hits every path's request of a
+    round alike."""
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
 
     spec = front_spec(config, out, max(levels), coalesce_backlog)
     build(spec, log=lambda _msg: None)
+    install_floor(spec.model_repository)
     ids = encode_prompt(load_tokenizer(spec.model.path), PROMPT)
     rows = []
     with skipped_compute(step_ms), TritonServer(spec.model_repository, log_path=out / "server.log") as server:
         driver = Driver(server.grpc_url, server.internal_key, ids, max_tokens, server.process.pid)
         try:
-            for path in paths:
+            rounds = (*paths, FLOOR) if alternate else paths
+            for path in rounds:
                 driver.run(path, 4, 1.0)  # warm-up: connections, first-call imports
             for streams in levels:
                 for path in paths:
@@ -327,7 +361,7 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                     r = rows[-1]
                     print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
             for i in range(alternate):
-                for path in paths[i % len(paths):] + paths[:i % len(paths)]:
+                for path in rounds[i % len(rounds):] + rounds[:i % len(rounds)]:
                     rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1), round=i))
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}; the server's log ({server.log_path}):\n{server.log_excerpt(5)}") from exc
@@ -352,9 +386,13 @@ def _paired(rounds: list[Level], front: str, direct: str) -> str | None:
     if not pairs:
         return None
     ttft = np.percentile([f.ttft_ms - d.ttft_ms for f, d in pairs], (25, 50, 75))
-    token = np.percentile([f.token_ms - d.token_ms for f, d in pairs], (25, 50, 75))
-    return (f"  {front} vs {direct}, one request at a time, alternated ({len(pairs)} rounds): TTFT {ttft[1]:+.2f} ms "
-            f"(quartiles {ttft[0]:+.2f} to {ttft[2]:+.2f}), per token {token[1]:+.3f} ms ({token[0]:+.3f} to {token[2]:+.3f})")
+    line = (f"  {front} vs {direct}, one request at a time, alternated ({len(pairs)} rounds): TTFT {ttft[1]:+.2f} ms "
+            f"(quartiles {ttft[0]:+.2f} to {ttft[2]:+.2f})")
+    token = [f.token_ms - d.token_ms for f, d in pairs if not math.isnan(f.token_ms - d.token_ms)]
+    if token:  # front_floor answers one token: no time per token
+        q = np.percentile(token, (25, 50, 75))
+        line += f", per token {q[1]:+.3f} ms ({q[0]:+.3f} to {q[2]:+.3f})"
+    return line
 
 
 def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float]]) -> list[str]:
@@ -374,6 +412,10 @@ def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float
                   for s in sorted({r.streams for r in rows}) if (front, s) in by and (direct, s) in by]
         if ratios:
             lines.append(f"  {front} / {direct} tokens/s by streams: " + ", ".join(ratios))
+        paired = _paired(rounds, front, direct)
+        if paired:
+            lines.append(paired)
+    for front, direct in ((FLOOR, "prefill + decode"), ("tensorrt_llm_bls", FLOOR)):
         paired = _paired(rounds, front, direct)
         if paired:
             lines.append(paired)
