@@ -54,19 +54,27 @@ def test_each_decode_instance_is_its_own_model():
     assert "count: 1" in models["decode_2"]
 
 
-def test_a_started_view_reads_the_board_on_its_own_thread_and_callers_never_wait_for_a_read(board, monkeypatch):
+def test_a_started_view_reads_the_board_on_its_own_thread_while_it_is_asked(board, monkeypatch):
     load_board.publish("k", "decode", "decode_0", in_flight=1, free_blocks=10)
     readers = []
     real = load_board.entries
     monkeypatch.setattr(load_board, "entries", lambda *a: readers.append(threading.current_thread().name) or real(*a))
-    view = load_board.BoardView("k", max_age_s=0.02).start()
+    view = load_board.BoardView("k", max_age_s=0.02, idle_after_s=0.1).start()
     try:
+        assert [e.load.in_flight for e in view.entries("decode")] == [1]
+        assert readers == ["MainThread"]  # nobody had asked: the first caller reads itself
         load_board.publish("k", "decode", "decode_1", in_flight=3, free_blocks=5)
-        time.sleep(0.2)
-        for _ in range(20):
-            assert sorted(e.load.in_flight for e in view.entries("decode")) == [1, 3]
+        for _ in range(20):  # asked every 10 ms: the thread keeps the view fresh, no caller reads
             time.sleep(0.01)
-        assert set(readers) == {"load-board"} and len(readers) >= 5
+            view.entries("decode")
+        assert sorted(e.load.in_flight for e in view.entries("decode")) == [1, 3]
+        assert set(readers[1:]) == {"load-board"} and len(readers) >= 5, readers
+        time.sleep(0.2)  # nobody asks: after idle_after_s the thread stops reading
+        idle = len(readers)
+        time.sleep(0.2)
+        assert len(readers) == idle
+        view.entries("decode")
+        assert readers[idle] == "MainThread"
     finally:
         view.close()
     assert not any(t.name == "load-board" for t in threading.enumerate())
