@@ -59,19 +59,19 @@ def test_a_started_view_reads_the_board_on_its_own_thread_while_it_is_asked(boar
     readers = []
     real = load_board.entries
     monkeypatch.setattr(load_board, "entries", lambda *a: readers.append(threading.current_thread().name) or real(*a))
-    view = load_board.BoardView("k", max_age_s=0.02, idle_after_s=0.1).start()
+    view = load_board.BoardView("k", max_age_s=0.05, idle_after_s=0.4).start()
     try:
         assert [e.load.in_flight for e in view.entries("decode")] == [1]
         assert readers == ["MainThread"]  # nobody had asked: the first caller reads itself
         load_board.publish("k", "decode", "decode_1", in_flight=3, free_blocks=5)
-        for _ in range(20):  # asked every 10 ms: the thread keeps the view fresh, no caller reads
+        for _ in range(30):  # asked every 10 ms: the thread keeps the view fresh, no caller reads
             time.sleep(0.01)
             view.entries("decode")
         assert sorted(e.load.in_flight for e in view.entries("decode")) == [1, 3]
-        assert set(readers[1:]) == {"load-board"} and len(readers) >= 5, readers
-        time.sleep(0.2)  # nobody asks: after idle_after_s the thread stops reading
+        assert set(readers[1:]) == {"load-board"} and len(readers) >= 3, readers
+        time.sleep(0.6)  # nobody asks: after idle_after_s the thread stops reading
         idle = len(readers)
-        time.sleep(0.2)
+        time.sleep(0.3)
         assert len(readers) == idle
         view.entries("decode")
         assert readers[idle] == "MainThread"

@@ -124,36 +124,10 @@ def test_an_unexpected_fault_still_ends_the_request_with_an_error_and_a_log(orch
     sender = Sender()
     arrays = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32),
               "request_output_len": np.array([[4]], np.int32), "streaming": np.array([[True]])}
-    orchestrator._run_to_end(model._serve(arrays, sender, 0.0))
+    model._serve(arrays, sender, 0.0)
     ((response, flags),) = sender.until_final()
     assert sender.sent.empty()
     assert flags == orchestrator.FINAL
     assert response.error.message() == "disagg_orchestrator_0_0: internal error: KeyError: 'context_phase_params'"
     assert model.failures.value == 1 and model.in_flight.value == 0 and len(released) == 1
     assert len(logged) == 1 and "Traceback" in logged[0] and "KeyError: 'context_phase_params'" in logged[0]
-
-
-def test_a_request_runs_on_executes_thread_until_its_first_hop_is_out_unless_every_worker_is_taken(orchestrator):
-    """The prompt goes out from execute's thread, not after a worker has woken; the rest runs on a worker. With
-    max_in_flight requests being served, a request waits for a worker whole: no more reach the engines."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    model = object.__new__(orchestrator.TritonPythonModel)
-    model.max_in_flight, model._count = 2, 0
-    model.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="request")
-    ran: list[tuple[str, str]] = []
-
-    def serving(name: str):
-        ran.append((name, threading.current_thread().name))  # up to the first hop
-        yield
-        ran.append((name, threading.current_thread().name))  # waiting on the engines
-
-    try:
-        model._start(serving("first"))
-        model._count = 2  # max_in_flight requests in flight
-        model._start(serving("second"))
-        assert ran[0] == ("first", threading.current_thread().name)  # done before _start returned
-    finally:
-        model.workers.shutdown(wait=True)
-    threads = {name: [thread.split("_")[0] for n, thread in ran if n == name] for name in ("first", "second")}
-    assert threads == {"first": ["MainThread", "request"], "second": ["request", "request"]}

@@ -256,7 +256,7 @@ class Driver:
             self._send_engine("aggregated_engine", request_id, "context_and_generation", None)
         elif self.path == FLOOR:
             self.flights[request_id] = Flight(now, "engine")
-            self._send_engine(FLOOR, request_id, "context_only", None)
+            self._send_engine(FLOOR, request_id, "context_and_generation", None)  # front_floor asks for one token
         else:
             self.flights[request_id] = Flight(now, "prefill")
             self._send_engine("prefill", request_id, "context_only", None)

@@ -70,7 +70,7 @@ class Entry:
 
 def _read_small(path: str) -> bytes:
     """A small file's bytes in three system calls (Path.read_text makes twice as many; each costs tens of µs
-    in a sandboxed container, and the orchestrator reads the board on a request's way to its first token)."""
+    in a sandboxed container, and an orchestrator serving requests reads the board ten times a second)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.read(fd, 65536)
@@ -179,7 +179,7 @@ class BoardView:
     since), and the orchestrator asks several times per request (liveness of both roles, the least loaded
     instance of each). A read with its /proc checks costs 0.15 ms here, 0.25 ms in a stub woken from idle:
     once `start`ed, a thread of the view's own reads, so a request's way to its first token never waits for
-    one (a caller still reads itself when the thread has fallen `max_age_s` behind). The thread stops reading
+    one (a caller still reads itself when the last reading is over twice `max_age_s` old: the thread fell behind). The thread stops reading
     once nobody has asked for `idle_after_s`, since those reads cost an idle orchestrator 5-6 ms of CPU a
     second here, and the first request after that reads itself. A hop watches its instances' processes
     itself (`Liveness`), so a death is still noticed within 0.1 s."""
@@ -216,10 +216,11 @@ class BoardView:
                 continue
             try:
                 read_at, by_model = self._read()
-            except OSError:
-                continue  # no board directory: a caller's own read raises it where it can be reported
+            except Exception:  # noqa: BLE001 - no board directory, say: a caller's own read raises it where it is reported
+                continue
             with self._lock:
-                self._read_at, self._by_model = read_at, by_model
+                if read_at > self._read_at:  # else a caller read while this one ran
+                    self._read_at, self._by_model = read_at, by_model
 
     def _read(self) -> tuple[float, dict[str, list[Entry]]]:
         read_at, by_model = time.monotonic(), {}

@@ -3,8 +3,7 @@
 A decoupled Python model in the place of upstream's disaggregated BLS. It reaches the engine models
 through the server's own gRPC endpoint (see `Hop` for why not BLS). Where the upstream BLS blocks on
 one request at a time and throws the context phase's token away, this one:
-- serves each request on its own worker thread, up to `max_in_flight`, once `execute` has sent its first
-  hop (`_start`);
+- serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`;
 - streams the context phase's first token the moment prefill returns it (TTFT = prefill), and drops
   the copy of it that every generation-only response stream starts with (TensorRT-LLM re-adds it), so
   the client sees each token once;
@@ -47,7 +46,6 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -286,11 +284,6 @@ class ClientStream:
             self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
 
 
-def _run_to_end(serving: Iterator[None]) -> None:
-    for _ in serving:
-        pass
-
-
 class TritonPythonModel:
     read_inputs = READ_INPUTS  # of a request: the rest is not copied
 
@@ -326,8 +319,7 @@ class TritonPythonModel:
         self.rng = random.Random(0)
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
-        self.max_in_flight = int(model_param(args, "max_in_flight"))
-        self.workers = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="request")
+        self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
         self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
         self.servers: dict[str, EngineServer] = {}  # by URL
         self.retired: list[EngineServer] = []  # of replicas that left (their streams half-closed)
@@ -372,37 +364,17 @@ class TritonPythonModel:
 
     def execute(self, requests):
         with STUB_LOCK:
-            accepted = self._accept(requests)
-        for serving in accepted:
-            self._start(serving)
+            self._accept(requests)
         return None
 
-    def _accept(self, requests) -> list[Iterator[None]]:
-        """Each request's serving, not started: its inputs are copied, its response sender taken."""
-        accepted = []
+    def _accept(self, requests) -> None:
         for request in requests:
             arrays = self._copy_inputs(request)
             if "service_class" not in arrays:  # else the request parameter of that name (an ensemble passes them on)
                 named = json.loads(request.parameters() or "{}").get("service_class")
                 if named is not None:
                     arrays["service_class"] = np.asarray([[str(named).encode()]], dtype=object)
-            accepted.append(self._serve(arrays, request.get_response_sender(), time.monotonic()))
-        return accepted
-
-    def _start(self, serving: Iterator[None]) -> None:
-        """Runs a request on this thread until its first hop is out, then on a worker: the prompt reaches its
-        engine without waiting for a worker to wake, which took 0.15-0.25 ms of every TTFT here. When
-        `max_in_flight` requests are being served, the request waits for a worker whole, so no more than that
-        many reach the engines at once."""
-        if self._count < self.max_in_flight:
-            try:
-                if next(serving, _DONE) is _DONE:
-                    return
-            except Exception:  # noqa: BLE001 - a fault of ours before the request's own handlers; the others in the batch go on
-                with STUB_LOCK:
-                    pb_utils.Logger.log_error(f"{self.instance}: {traceback.format_exc()}")
-                return
-        self.workers.submit(_run_to_end, serving)
+            self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
 
     def _copy_inputs(self, request) -> dict[str, np.ndarray]:
         """The request's inputs this model reads, copied: its tensors are released once execute returns."""
@@ -424,9 +396,7 @@ class TritonPythonModel:
         """Where postprocessing tells of a client's cancellation (through an ensemble it alone hears of it)."""
         return cancel_board.CancelFlag(self.board_key, self.instance, request_id)
 
-    def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> Iterator[None]:
-        """Serves one request to its end; yields once, when its first hop is out (`_start`)."""
-        self._track(+1)
+    def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
         request_id = uuid.uuid4().hex
         flag = self._cancel_flag(request_id)
         streaming = arrays.pop("streaming", None)
@@ -448,6 +418,7 @@ class TritonPythonModel:
             return flag.is_raised() or (sender_check.due() and sender.is_cancelled())
 
         completed = False
+        self._track(+1)  # here, where the finally that counts it out begins
         try:
             try:
                 klass = self._service_class(service_class)  # checked on every path
@@ -460,11 +431,11 @@ class TritonPythonModel:
                         engine, at = self._pick(self.engines), None
                     reached.engines.append(engine)
                     try:
-                        yield from self._context_and_generation(engine, inputs, request_id, client, cancelled, arrival, measured_at=at)
+                        self._context_and_generation(engine, inputs, request_id, client, cancelled, arrival, measured_at=at)
                     finally:
                         self._done(engine)
                 else:
-                    yield from self._disaggregated(request_id, inputs, client, cancelled, arrival, reached, klass)
+                    self._disaggregated(request_id, inputs, client, cancelled, arrival, reached, klass)
                 client.finish()
                 completed = True
             except Cancelled:
@@ -492,7 +463,7 @@ class TritonPythonModel:
                 self._track(-1)
 
     def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float,
-                       reached: Reached, klass: sla.ServiceClass | None) -> Iterator[None]:
+                       reached: Reached, klass: sla.ServiceClass | None) -> None:
         self._check_live(self.decoders)  # no prefill work (and KV to hand off) for a request no decode can take
         if klass is None:
             prefill, at_prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])]), 0
@@ -503,11 +474,10 @@ class TritonPythonModel:
         started = time.monotonic()
         try:
             if int(inputs["request_output_len"].reshape(-1)[0]) <= 1:  # the context phase is all of it
-                yield from self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
+                self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
                 return
             try:
                 with self._hop(prefill, inputs, request_id, "context_only") as hop:
-                    yield
                     context = list(hop.results(self.prefill_timeout_s, cancelled))
                 self._observe("prefill", prefill, at_prefill, time.monotonic() - started)
             except HopError as exc:
@@ -516,7 +486,7 @@ class TritonPythonModel:
                 # The first token ended the request (end_id): a context-only request has no params then, and
                 # the backend answers with this error. Ask for that one token as a whole request instead.
                 one = {**inputs, "request_output_len": _scalar(1, np.int32)}
-                yield from self._context_and_generation(prefill, one, request_id, client, cancelled, arrival)
+                self._context_and_generation(prefill, one, request_id, client, cancelled, arrival)
                 return
         finally:
             self._done(prefill)
@@ -618,13 +588,12 @@ class TritonPythonModel:
             self._observe("decode", engine, measured_at, (time.monotonic() - first_at) / (after - 1))
 
     def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled,
-                                arrival: float, measured_at: int | None = None) -> Iterator[None]:
+                                arrival: float, measured_at: int | None = None) -> None:
         """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one.
         With `measured_at` (the requests in flight there when it was routed by class) its TTFT and TPOT
         are what the engine's pool is measured by."""
         started, first_at, count = time.monotonic(), None, 0
         with self._hop(engine, inputs, request_id, "context_and_generation") as hop:
-            yield
             for tokens, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
                 if first_at is None and tokens:
                     first_at = time.monotonic()
