@@ -132,6 +132,26 @@ def test_an_error_is_final_for_its_request_only(engine):
         stream.send(_request("dup", 1), held)
 
 
+def test_a_handler_that_raises_loses_its_own_request_only(engine, capfd):
+    _, _, client = engine
+    stream = client.shared()
+    calls = []
+
+    def broken(result, error, final):
+        calls.append(final)
+        raise KeyError("output_ids")
+
+    good = Collector()
+    stream.send(_request("broken", 3), broken)
+    stream.send(_request("good", 3), good)
+    assert [int(ids[0, 0]) for ids, _, _ in good.all()[:-1]] == [0, 1, 2]
+    assert calls == [False] and stream.broken is None and stream.in_flight() == 0  # its handler forgotten at once
+    assert "KeyError: 'output_ids'" in capfd.readouterr().err
+    after = Collector()
+    stream.send(_request("after", 0), after)  # the stream still carries requests
+    assert after.all() == [(None, None, True)]
+
+
 def test_forgetting_an_ended_request_leaves_a_new_one_under_its_id_alone(engine):
     _, _, client = engine
     stream = client.shared()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 
 import grpc
@@ -109,7 +110,11 @@ class EngineStream:
             result, error = InferResult(response.infer_response), None
         if final:
             self.forget(request_id, on_response)
-        on_response(result, error, final)
+        try:
+            on_response(result, error, final)
+        except Exception:  # noqa: BLE001 - a fault of one request's handler must not end the reader, and every request on the stream
+            self.forget(request_id, on_response)  # its caller's own deadline ends that request
+            traceback.print_exc()  # a stub's stderr goes to the server's log
 
 
 def _channel(url: str) -> grpc.Channel:
