@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from engine_helpers import EngineFactory
 
-from disagg.bench.front import PATHS, PROMPT, Driver, Flight, Level, front_spec, measure, skipped_compute, summary
+from disagg.bench.front import PATHS, PROMPT, Driver, Flight, Level, front_spec, measure, median_interval, skipped_compute, summary
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.sampling import NO_END_ID
 
@@ -122,6 +122,13 @@ def test_the_driver_lets_go_of_a_server_that_stopped_answering(tmp_path):
             os.kill(server.process.pid, signal.SIGCONT)
 
 
+def test_the_median_of_the_rounds_comes_with_how_far_it_can_be_trusted():
+    low, high = median_interval([float(x) for x in range(21)])  # median 10, standard error about 1.7
+    assert 5.0 <= low <= 8.0 and 12.0 <= high <= 15.0, (low, high)  # the quartiles: 5 and 15
+    assert median_interval([3.0] * 20) == (3.0, 3.0)
+    assert median_interval([float(x) for x in range(21)]) == (low, high)  # the same rounds print the same
+
+
 def test_the_front_ceiling_is_given_against_the_engine_timed_before_and_after_the_front():
     rows = [Level("tensorrt_llm_bls", 64, 1200.0, 200.0, 40.0, 40.0, 700, 0, {"tritonserver": 0.3, "stub tensorrt_llm_bls": 0.4}),
             Level("prefill + decode", 64, 2400.0, 60.0, 21.0, 21.0, 1400, 0, {"tritonserver": 0.2})]
@@ -136,14 +143,14 @@ def test_the_front_ceiling_is_given_against_the_engine_timed_before_and_after_th
     rounds = [replace(r, round=i // 2) for i, r in enumerate(rounds)]  # rounds 0, 0, 1, 1, 2: round 2 has no pair
     lines = summary(rows + rounds, ({64: 400.0}, {64: 600.0}))
     assert lines[1] == ("  tensorrt_llm_bls vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +2.50 ms "
-                        "(quartiles +1.75 to +3.25), per token +0.050 ms (+0.025 to +0.075)")
+                        "(median within +1.00 to +4.00 at 95%; quartiles +1.75 to +3.25), per token +0.050 ms (+0.025 to +0.075)")
     assert lines[-1].startswith("  front ceiling (tensorrt_llm_bls, best level) 1200 tokens/s = 3.00x / 2.00x")  # the rounds are no level
     floor = [Level("front_floor", 1, 0.0, ttft, 0.0, float("nan"), 1, 0, round=i) for i, ttft in ((0, 27.5), (1, 26.25))]
     lines = summary(rows + rounds + floor, ({64: 400.0}, {64: 600.0}))
     assert lines[2:4] == ["  front_floor vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +0.88 ms "
-                          "(quartiles +0.56 to +1.19)",
+                          "(median within +0.25 to +1.50 at 95%; quartiles +0.56 to +1.19)",
                           "  tensorrt_llm_bls vs front_floor, one request at a time, alternated (2 rounds): TTFT +1.62 ms "
-                          "(quartiles +1.19 to +2.06)"]  # front_floor has no time per token
+                          "(median within +0.75 to +2.50 at 95%; quartiles +1.19 to +2.06)"]  # front_floor has no time per token
     one = [Level("tensorrt_llm_bls", 1, 48.0, 28.93, 20.945, 20.945, 21, 0), Level("prefill + decode", 1, 48.0, 24.94, 21.0, 21.0, 22, 0)]
     assert summary(one, ({64: 1.0}, {64: 1.0}))[0] == ("  tensorrt_llm_bls vs prefill + decode, 1 stream: TTFT +3.99 ms, per token "
                                                       "-0.055 ms, gap between responses -0.055 ms (21 and 22 requests)")

@@ -26,9 +26,9 @@ which is what limits the front on a machine whose cores it saturates. The engine
 it: the decode tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64, timed
 before the front's runs and again after them, since this machine's speed moves over the minutes between (the
 ratio is given against both). Last, `--alternate` rounds of one request on each path in turn give the one-stream
-comparison again, as quartiles of the rounds' differences, which a drift in the machine's speed between two rows
-does not move; front_floor's rounds say how much of tensorrt_llm_bls's added TTFT any Python model and gRPC hop
-would add here, and how much is its own.
+comparison again, as the median of the rounds' differences with its 95% interval, and their quartiles, which a
+drift in the machine's speed between two rows does not move; front_floor's rounds say how much of
+tensorrt_llm_bls's added TTFT any Python model and gRPC hop would add here, and how much is its own.
 
 One client drives every path the same way (one gRPC stream, requests told apart by id) and shares the
 machine's cores with the server: at high concurrency it is part of what is measured, for every path alike.
@@ -377,17 +377,26 @@ def engine_ceiling(root: Path, batches: list[int]) -> dict[int, float]:
     return decode_tokens_per_s(root, "bench-100mb", 256, 32, batches)
 
 
+def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of `values` (a fixed seed, so a run prints it the same way
+    twice): how far the p50 of this few rounds may be from the machine's, against a target a millisecond wide."""
+    samples = np.random.default_rng(0).choice(values, size=(resamples, len(values)))
+    low, high = np.percentile(np.median(samples, axis=1), (2.5, 97.5))
+    return float(low), float(high)
+
+
 def _paired(rounds: list[Level], front: str, direct: str) -> str | None:
-    """TTFT and time per token that `front` added to `direct` in the alternated rounds, as quartiles of the
-    rounds' differences."""
+    """TTFT and time per token that `front` added to `direct` in the alternated rounds: the median of the
+    rounds' differences, with its 95% interval for TTFT, and their quartiles."""
     by = {(r.path, r.round): r for r in rounds}
     pairs = [(by[(front, i)], by[(direct, i)]) for i in sorted({r.round for r in rounds})
              if (front, i) in by and (direct, i) in by and by[(front, i)].completed and by[(direct, i)].completed]
     if not pairs:
         return None
-    ttft = np.percentile([f.ttft_ms - d.ttft_ms for f, d in pairs], (25, 50, 75))
+    differences = [f.ttft_ms - d.ttft_ms for f, d in pairs]
+    ttft, interval = np.percentile(differences, (25, 50, 75)), median_interval(differences)
     line = (f"  {front} vs {direct}, one request at a time, alternated ({len(pairs)} rounds): TTFT {ttft[1]:+.2f} ms "
-            f"(quartiles {ttft[0]:+.2f} to {ttft[2]:+.2f})")
+            f"(median within {interval[0]:+.2f} to {interval[1]:+.2f} at 95%; quartiles {ttft[0]:+.2f} to {ttft[2]:+.2f})")
     token = [f.token_ms - d.token_ms for f, d in pairs if not math.isnan(f.token_ms - d.token_ms)]
     if token:  # front_floor answers one token: no time per token
         q = np.percentile(token, (25, 50, 75))
