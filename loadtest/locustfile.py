@@ -166,6 +166,14 @@ def _sse_error(body: bytes) -> str | None:
     return None
 
 
+def _token_count(value) -> int | None:
+    """A response's `num_output_tokens` as Triton's generate endpoint writes it (a number, or a list of one);
+    None where the model has no such output."""
+    if value is None:
+        return None
+    return int(sum(value)) if isinstance(value, list) else int(value)
+
+
 class TritonStreamUser(FastHttpUser):
     """Sends the plan's requests one at a time, each as a stream, and records its timeline."""
 
@@ -191,6 +199,7 @@ class TritonStreamUser(FastHttpUser):
             body["min_tokens"] = request.max_tokens
         t_chunks: list[float] = []
         chars: list[int] = []
+        tokens: list[int | None] = []
         error, interrupted = None, None
         start_unix = time.time()
         t_send = time.perf_counter()
@@ -211,6 +220,7 @@ class TritonStreamUser(FastHttpUser):
                             break
                         t_chunks.append(at)
                         chars.append(len(event.get("text_output", "")))
+                        tokens.append(_token_count(event.get("num_output_tokens")))
             except GreenletExit as exc:
                 error, interrupted = "unfinished: the run stopped before the stream ended", exc
             except Exception as exc:  # noqa: BLE001 - any failure mid-stream is this request's error
@@ -220,6 +230,7 @@ class TritonStreamUser(FastHttpUser):
                 max_tokens=request.max_tokens, shared_prefix=request.shared_prefix, rate=PLAN.workload.rate,
                 users=PLAN.users, scheduled=scheduled, start_unix=start_unix, t_send=t_send,
                 t_chunks=tuple(t_chunks), chunk_chars=tuple(chars), t_end=time.perf_counter(), error=error,
+                chunk_tokens=tuple(tokens) if None not in tokens else (),
             )
             resp.request_meta["response_time"] = sample.e2e * 1000
             resp.request_meta["response_length"] = sample.n_out

@@ -25,15 +25,15 @@ from loadtest.metrics_sampler import MetricsSeries
 from loadtest.samples import Sample, read_samples
 
 DEFINITIONS = {
-    "TTFT": "request sent -> first streamed response with non-empty text, per request",
+    "TTFT": "request sent -> first streamed response that carries a token (num_output_tokens > 0), per request",
     "TPOT": "(E2E - TTFT) / (N_out - 1), per request with N_out >= 2",
-    "ITL": "gap between consecutive non-empty streamed chunks, per chunk, all requests pooled",
+    "ITL": "gap between consecutive streamed responses that carry tokens, per response, all requests pooled",
     "E2E": "request sent -> end of the stream, per request",
-    "N_out": "non-empty streamed chunks of a request (one token each on this server)",
+    "N_out": "tokens a request received (its responses' num_output_tokens summed)",
     "duration": "first send -> last stream end of the run",
     "output tokens/s": "sum of N_out / duration",
     "requests/s": "requests completed without error / duration",
-    "SLO attainment": "fraction of all requests (errors and requests without text count as misses) with "
+    "SLO attainment": "fraction of all requests (errors and requests without a token count as misses) with "
                       "TTFT <= TTFT SLO and TPOT <= TPOT SLO (N_out = 1: TTFT only)",
     "request goodput": "requests meeting both SLOs / duration, for one run (req/s)",
     "goodput (DistServe)": "highest target request rate of a sweep at which SLO attainment >= 90%, "
@@ -76,7 +76,7 @@ class RunStats:
     users: int
     requests: int
     errors: int
-    no_text: int  # completed without error but without any text (no token arrival to time)
+    no_text: int  # completed without error but without a token (no token arrival to time)
     duration_s: float
     ttft_ms: dict
     tpot_ms: dict
@@ -173,7 +173,7 @@ ROWS = [(f"{m} {p} (ms)", lambda r, m=m, p=p: getattr(r, f"{m.lower()}_ms")[p], 
     ("requests/s", lambda r: r.requests_per_s, 2),
     ("requests", lambda r: r.requests, 0),
     ("errors", lambda r: r.errors, 0),
-    ("requests without text", lambda r: r.no_text, 0),
+    ("requests without a token", lambda r: r.no_text, 0),
     ("SLO attainment", lambda r: r.slo_attainment, 3),
     ("request goodput (req/s)", lambda r: r.request_goodput, 2),
     ("send lag p95 (ms)", lambda r: r.send_lag_p95_ms, 1),

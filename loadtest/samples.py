@@ -2,12 +2,16 @@
 
 Everything is kept raw (perf_counter stamps of every streamed response) so a report can recompute any
 metric exactly; the derived values (as docs/loadtest.md defines them):
-    TTFT  send -> first response with non-empty text (an empty chunk, e.g. half a UTF-8 character,
-          is not a token arrival)
-    ITL   every gap between consecutive non-empty chunks, per chunk (N_out - 1 gaps per request)
+    TTFT  send -> first response that carries a token: one whose `num_output_tokens` (the server's own
+          count) is above 0, or, where the server sends no count, whose text is not empty
+    ITL   every gap between consecutive responses that carry tokens, per response
     E2E   send -> end of the stream (final response received)
     TPOT  (E2E - TTFT) / (N_out - 1), per request; undefined when N_out < 2
-    N_out number of non-empty chunks (one token each on this server); `chunk_count` is every response
+    N_out tokens received: the responses' `num_output_tokens` summed (else their non-empty chunks, one token
+          each on this server); `chunk_count` is every response
+Counted by tokens, not text: a response with half a UTF-8 character carries a token whose text comes with the
+next one, and the engines that stand in for GPUs (disagg.engine.no_compute) draw ids the tokenizer mostly
+decodes to nothing.
 `time.perf_counter()` is CLOCK_MONOTONIC on Linux, shared by all processes, so stamps from the Locust
 process line up with the metrics sampler's.
 """
@@ -38,6 +42,7 @@ class Sample:
     chunk_chars: tuple[int, ...]  # text length of each response (0: no new text)
     t_end: float  # perf_counter when the stream ended or failed
     error: str | None = None
+    chunk_tokens: tuple[int, ...] = ()  # tokens each response carried, as the server counted them (empty: not counted)
 
     @property
     def deployment(self) -> str:
@@ -49,8 +54,13 @@ class Sample:
         return self.error is None
 
     @property
+    def _carried(self) -> tuple[int, ...]:
+        """Per response, its tokens where the server counted them, else its text's length."""
+        return self.chunk_tokens or self.chunk_chars
+
+    @property
     def token_times(self) -> list[float]:
-        return [t for t, n in zip(self.t_chunks, self.chunk_chars) if n > 0]
+        return [t for t, n in zip(self.t_chunks, self._carried) if n > 0]
 
     @property
     def chunk_count(self) -> int:
@@ -58,7 +68,7 @@ class Sample:
 
     @property
     def n_out(self) -> int:
-        return sum(1 for n in self.chunk_chars if n > 0)
+        return sum(self.chunk_tokens) if self.chunk_tokens else sum(1 for n in self.chunk_chars if n > 0)
 
     @property
     def ttft(self) -> float | None:
@@ -84,7 +94,8 @@ class Sample:
 
     @classmethod
     def from_dict(cls, raw: dict) -> Sample:
-        return cls(**{**raw, "t_chunks": tuple(raw["t_chunks"]), "chunk_chars": tuple(raw["chunk_chars"])})
+        return cls(**{**raw, "t_chunks": tuple(raw["t_chunks"]), "chunk_chars": tuple(raw["chunk_chars"]),
+                      "chunk_tokens": tuple(raw.get("chunk_tokens", ()))})
 
 
 def samples_path(samples_out: str | None, run_prefix: str | None = None) -> Path:

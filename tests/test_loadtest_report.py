@@ -15,7 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def sample(ttft: float, gaps: list[float], *, model: str = "ensemble", rate: float | None = None, t0: float = 100.0,
            tail: float = 0.0, chars: list[int] | None = None, error: str | None = None, index: int = 0,
-           scheduled: float | None = None) -> Sample:
+           scheduled: float | None = None, tokens: list[int] | None = None) -> Sample:
     """A request sent at t0 whose chunks arrive at t0+ttft, then after each gap; the stream ends `tail` later."""
     times = [t0 + ttft]
     for gap in gaps:
@@ -26,6 +26,7 @@ def sample(ttft: float, gaps: list[float], *, model: str = "ensemble", rate: flo
         model=model, index=index, prompt_tokens=10, max_tokens=len(times), shared_prefix=False, rate=rate, users=4,
         scheduled=scheduled, start_unix=0.0, t_send=t0, t_chunks=tuple(times),
         chunk_chars=tuple(chars or [3] * len(times)), t_end=(times[-1] if times else t0 + ttft) + tail, error=error,
+        chunk_tokens=tuple(tokens or ()),
     )
 
 
@@ -44,6 +45,19 @@ def test_metric_definitions_on_one_request():
 def test_empty_first_chunk_does_not_count_as_first_token():
     s = sample(0.1, [0.2], chars=[0, 5])
     assert s.ttft == pytest.approx(0.3) and s.n_out == 1
+
+
+def test_the_server_s_token_counts_time_the_tokens_where_it_sends_them():
+    # the same responses, counted by the server: the one with half a UTF-8 character carries a token, the third two
+    s = sample(0.1, [0.05, 0.05, 0.1], chars=[2, 0, 1, 4], tail=0.05, tokens=[1, 1, 2, 1])
+    assert s.ttft == pytest.approx(0.1) and s.n_out == 5
+    assert s.itl == pytest.approx([0.05, 0.05, 0.1])  # a gap per response that carries tokens
+    assert s.tpot == pytest.approx((0.35 - 0.1) / 4)
+    # a stand-in's first token decodes to no text: its time is still the first token's
+    late_text = sample(0.1, [0.2], chars=[0, 5], tokens=[1, 1])
+    assert late_text.ttft == pytest.approx(0.1) and late_text.n_out == 2
+    back = Sample.from_dict(json.loads(s.to_json()))
+    assert back == s and Sample.from_dict({k: v for k, v in json.loads(s.to_json()).items() if k != "chunk_tokens"}).n_out == 3
 
 
 def test_percentiles_are_exact_numpy_linear():
@@ -152,7 +166,7 @@ def test_report_files(tmp_path):
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["goodput_distserve"] == {"aggregated": 1.0, "disaggregated": 2.0}
     assert data["slo"] == {"ttft_ms": 100, "tpot_ms": 50}
-    assert "gap between consecutive non-empty streamed chunks" in data["definitions"]["ITL"]
+    assert "gap between consecutive streamed responses that carry tokens" in data["definitions"]["ITL"]
     assert [(r["deployment"], r["rate"]) for r in data["runs"]] == [
         ("aggregated", 1.0), ("aggregated", 2.0), ("disaggregated", 1.0), ("disaggregated", 2.0)]
     assert data["runs"][2]["metrics"]["summary"] == {"decode": {"max_disagg_queue_depth": 2.0}}

@@ -104,6 +104,8 @@ def test_closed_loop_run_records_every_request(server, cpu_tiny_project, tmp_pat
     for s in samples:
         assert s.model == "ensemble" and s.rate is None and s.users == 2
         assert s.n_out >= 1 and s.chunk_count >= s.n_out
+        # the server's own count of every response: one token each, then the final response with none
+        assert s.chunk_tokens == (1,) * s.n_out + (0,), s.chunk_tokens
         assert 0 < s.ttft <= s.e2e
         assert len(s.itl) == s.n_out - 1
         assert s.t_send < s.t_chunks[0] and s.t_chunks == tuple(sorted(s.t_chunks)) and s.t_chunks[-1] <= s.t_end
