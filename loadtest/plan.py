@@ -42,6 +42,7 @@ import yaml
 from disagg.cli import build
 from disagg.engine import engine as engine_module
 from disagg.engine.config import EngineConfig
+from disagg.engine.no_compute import stand_in_key
 from disagg.planner import profile as profile_module
 from disagg.planner.plan import Planner, Prediction, Traffic, predict
 from disagg.planner.profile import StepModel, profile_engine
@@ -65,15 +66,17 @@ def traffic_of(workload: Workload, rate: float | None = None, prompt_tokens: int
 
 def profiles(spec: DeploymentSpec) -> dict[str, StepModel]:
     """Each role's StepModel, profiled once per built engine and way of profiling (keyed by the engine's
-    config.json's mtime and the source of the profiler and of the reference engine it times)."""
+    config.json's mtime, the source of the profiler and of the reference engine it times, and the stand-in's
+    step rule where the engines are GPU stand-ins)."""
     cache_path = spec.build_dir / "planner-profile.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     sources = [Path(profile_module.__file__), *sorted(Path(engine_module.__file__).parent.glob("*.py"))]
     profiler = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
+    stand_in = f" {stand_in_key()}" if stand_in_key() else ""
     out = {}
     for role in spec.roles:
         engine = spec.engine_dir(role)
-        key = f"{engine.resolve()}@{(engine / 'config.json').stat().st_mtime_ns}#{profiler}"
+        key = f"{engine.resolve()}@{(engine / 'config.json').stat().st_mtime_ns}#{profiler}{stand_in}"
         if key not in cache:
             print(f"plan: profiling the {role} engine ({engine})", flush=True)
             cache[key] = asdict(profile_engine(engine))
@@ -87,8 +90,9 @@ FRONT_STEP_MS = 20.0  # an engine step as long as a decode step of bench-100mb h
 FRONT_SECONDS = 5.0
 
 
-def hosts(spec: DeploymentSpec, out: Path) -> dict[str, Host]:
-    """Each kind of deployment on this machine's cores, with its front's CPU per output token."""
+def hosts(spec: DeploymentSpec, out: Path, engines_on_cpu: bool = True) -> dict[str, Host]:
+    """Each kind of deployment on this machine's cores, with its front's CPU per output token; `engines_on_cpu`
+    False where the engines are GPU stand-ins, whose steps leave the cores to the front."""
     from disagg.bench.front import measure
 
     print(f"plan: measuring the front's CPU per output token ({FRONT_STREAMS} streams, engines skipping compute)", flush=True)
@@ -97,7 +101,7 @@ def hosts(spec: DeploymentSpec, out: Path) -> dict[str, Host]:
     per_token = {r.path: front_s_per_token(r.cpu_ms_per_token, spec) for r in rows}
     print(f"plan: the front costs {per_token['ensemble'] * 1e3:.2f} ms of CPU per output token through the ensemble, "
           f"{per_token['aggregated'] * 1e3:.2f} ms through the aggregated one", flush=True)
-    return {"disaggregated": Host(cores, per_token["ensemble"]), "aggregated": Host(cores, per_token["aggregated"])}
+    return {kind: Host(cores, per_token[path], engines_on_cpu) for kind, path in (("disaggregated", "ensemble"), ("aggregated", "aggregated"))}
 
 
 def front_s_per_token(cpu_ms_per_token: dict[str, float], spec: DeploymentSpec) -> float:
@@ -119,8 +123,8 @@ MEASURABLE_TICKS = 50  # a role's steps must last this many CPU-clock ticks for 
 
 
 def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path) -> Planner:
-    """The planner fitted to what serving adds to the profiled steps here and now, for each deployment (one
-    instance per role, a fresh server per run), in two runs of the workload's requests.
+    """The planner fitted to what serving adds to the profiled steps here and now, for each deployment as `spec`
+    serves it (`served`: its instances of each role, a fresh server per run), in two runs of the workload's requests.
 
     First a few requests, one at a time, against the same requests simulated one by one. The median of
     measured minus predicted TTFT becomes the deployment's latency (`Planner.latency_s`: the hops between
@@ -150,8 +154,8 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
                                                   arrival={"users": batch},  # closed loop, all at once
                                                   prompt_tokens=[{"weight": 1.0, "min": shortest, "max": shortest}],
                                                   exact_output_tokens=True)
-    for kind, deployment, prompt_role, decode_role in (("aggregated", Deployment(aggregated=1), "aggregated", "aggregated"),
-                                                       ("disaggregated", Deployment(prefill=1, decode=1), "prefill", "decode")):
+    for kind, prompt_role, decode_role in (("aggregated", "aggregated", "aggregated"), ("disaggregated", "prefill", "decode")):
+        deployment = served(spec, kind)
         planner = _fitted_alone(planner, spec, alone, out, kind, deployment, prompt_role, decode_role)
         samples_path, _ = run_point(kind, None, spec, str(batch_path), batch_workload, out)
         together = read_samples([samples_path])
@@ -161,6 +165,15 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
               f"against {_ms(simulated)} ms simulated: the {decode_role} engine's steps take {per_sequence * 1e3:.2f} ms more "
               "for each generating sequence after the first", flush=True)
     return planner
+
+
+def served(spec: DeploymentSpec, kind: str) -> Deployment:
+    """The deployment of `kind` that `spec` serves: every instance of its roles (loadtest.compare's
+    deployment_models loads them all), which calibration simulates, since a batch sent at once spreads over them."""
+    r = spec.roles
+    if kind == "aggregated":
+        return Deployment(aggregated=r["aggregated"].instances)
+    return Deployment(prefill=r["prefill"].instances, decode=r["decode"].instances)
 
 
 def _fitted_alone(planner: Planner, spec: DeploymentSpec, workload: tuple[Path, Workload], out: Path, kind: str,
@@ -180,10 +193,14 @@ def _fitted_alone(planner: Planner, spec: DeploymentSpec, workload: tuple[Path, 
     steps = dict(planner.steps)
     steps[decode_role] = steps[decode_role].with_decode_overhead(overhead)
     used = cpu.between(min(s.start_unix for s in served), max(s.start_unix + s.e2e for s in served))
-    busy = {prompt_role: sum(steps[prompt_role].prefill_s(s.prompt_tokens) for s in served)}
-    busy[decode_role] = busy.get(decode_role, 0.0) + sum(
-        steps[decode_role].decode_s(1, s.prompt_tokens + i) for s in served for i in range(1, s.n_out))
-    shares = []
+    busy, shares = {}, []
+    host = planner.hosts.get(kind)  # none: engines alone, on the cores as profiled
+    if host is None or host.engines_on_cpu:
+        busy[prompt_role] = sum(steps[prompt_role].prefill_s(s.prompt_tokens) for s in served)
+        busy[decode_role] = busy.get(decode_role, 0.0) + sum(
+            steps[decode_role].decode_s(1, s.prompt_tokens + i) for s in served for i in range(1, s.n_out))
+    else:
+        shares.append("the engines step off the CPU (GPU stand-ins): their CPU share is not simulated")
     for role, seconds in busy.items():
         if seconds < MEASURABLE_TICKS * TICK_S:
             shares.append(f"the {role} engine's steps took {_ms(seconds)} ms, too short to read its CPU in "

@@ -14,10 +14,18 @@ of the predicted p50 TTFT and TPOT came within 20% of measured. Last, the first 
 again (`--no-repeat`: not): how far the same runs moved between the start and the end of the session is
 how finely this machine lets the predictions be checked. Writes <out>/splits.json. A benchmark: minutes
 per run.
+
+`--stand-in STEP_MS,TOKEN_MS` serves the same deployments with engines that stand in for GPUs: each step takes
+STEP_MS + TOKEN_MS per token it computes without the CPU (disagg.engine.no_compute; the tokens are not the model's),
+profiled as such, and the planner simulates them off the cores (`Host.engines_on_cpu` false), as it plans GPU
+deployments. The engines then no longer share the cores with each other or the front, so the check is of what
+the planner models on GPUs (batching, queues, handoffs, the front's latency), and more instances than cores can
+be split (`--instances 4`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -29,6 +37,7 @@ import numpy as np
 import yaml
 
 from disagg.cli import build
+from disagg.engine.no_compute import skipped_compute
 from disagg.planner.plan import Planner
 from disagg.planner.simulate import Deployment
 from disagg.spec import DeploymentSpec, load_spec
@@ -131,9 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="each run's duration")
     p.add_argument("--out", type=Path, help="output directory (default: results/splits-<timestamp>)")
     p.add_argument("--no-repeat", action="store_true", help="do not serve the first deployment's rates again at the end")
+    p.add_argument("--stand-in", type=stand_in, metavar="STEP_MS,TOKEN_MS",
+                   help="engines that stand in for GPUs: each step takes STEP_MS + TOKEN_MS per token, off the CPU")
     a = p.parse_args(argv)
     if a.instances < 2:
         raise SystemExit("error: --instances must be at least 2: one prefill and one decode instance")
+    with skipped_compute(*a.stand_in) if a.stand_in else contextlib.nullcontext():
+        return run(a)
+
+
+def stand_in(text: str) -> tuple[float, float]:
+    """--stand-in's STEP_MS,TOKEN_MS."""
+    try:
+        step_ms, token_ms = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected STEP_MS,TOKEN_MS, two numbers such as 20,1.5") from None
+    if min(step_ms, token_ms) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a step cannot take less than no time: both at least 0")
+    if not step_ms + token_ms:
+        raise argparse.ArgumentTypeError(f"{text!r}: steps would take no time: STEP_MS or TOKEN_MS above 0")
+    return step_ms, token_ms
+
+
+def run(a: argparse.Namespace) -> int:
     base = workload_file(a.workload)
     rates = sorted(float(r) for r in a.rates.split(","))
     out = a.out or Path("results") / f"splits-{datetime.now():%Y%m%d-%H%M%S}"
@@ -146,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         check_fits(spec, workload)
         build(spec, log=lambda line: print(f"build: {line}", flush=True))
     first = specs[1]
-    planner = Planner(profiles(first), limits_of(first), handoff(first), hosts(first, out / "front"))
+    planner = Planner(profiles(first), limits_of(first), handoff(first), hosts(first, out / "front", engines_on_cpu=not a.stand_in))
     planner = calibrated(planner, first, workload_path, out / "calibration")
     traffic = traffic_of(workload, None, a.prompt_tokens)
     deployments = [(Deployment(prefill=n, decode=a.instances - n), "disaggregated", spec) for n, spec in specs.items()]
     deployments.append((Deployment(aggregated=a.instances), "aggregated", first))
-    print(f"splits: {a.instances} engine instances on {len(os.sched_getaffinity(0))} cores; prompts of {a.prompt_tokens} tokens "
+    engines = f"GPU stand-ins stepping {a.stand_in[0]:g} ms + {a.stand_in[1]:g} ms per token" if a.stand_in else "computing"
+    print(f"splits: {a.instances} engine instances ({engines}) on {len(os.sched_getaffinity(0))} cores; prompts of {a.prompt_tokens} tokens "
           f"at {', '.join(f'{r:g}' for r in rates)} req/s, {a.seconds:g} s each; SLO TTFT <= {slo.ttft_ms:g} ms, "
           f"TPOT <= {slo.tpot_ms:g} ms", flush=True)
 
@@ -187,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             print(text, flush=True)
     (out / "splits.json").write_text(json.dumps({
         "instances": a.instances, "prompt_tokens": a.prompt_tokens, "slo": asdict(slo),
+        "stand_in": None if a.stand_in is None else {"step_ms": a.stand_in[0], "token_ms": a.stand_in[1]},
         "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
         "again": None if again is None else {"deployment": str(repeated[0]), "runs": [asdict(r) for r in again]},
         "errors": errors, "run_to_run": repeat,

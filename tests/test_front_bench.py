@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from engine_helpers import EngineFactory
 
-from disagg.bench.front import PATHS, PROMPT, Driver, Flight, Level, front_spec, measure, median_interval, skipped_compute, summary
+from disagg.bench.front import PATHS, PROMPT, Driver, Flight, Level, front_spec, measure, median_interval, summary
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
+from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 
 from disagg.cli import build
+from disagg.engine.no_compute import skipped_compute
 from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner.profile import DecodeTable, Linear, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
+from disagg.spec import load_spec
 from loadtest.compare import compare_spec
-from loadtest.plan import CALIBRATION_REQUESTS, calibrated, check, front_s_per_token, limits_of, per_sequence_cost, predicted_run, replayed, traffic_of
+from loadtest.plan import (
+    CALIBRATION_REQUESTS, calibrated, check, front_s_per_token, limits_of, per_sequence_cost, predicted_run, profiles, replayed, served, traffic_of,
+)
 from loadtest.splits import split_spec
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import WORKLOAD_DIR, load_workload, workload_variant
@@ -166,6 +170,22 @@ def test_profile_of_the_tiny_engine_fits_its_steps(cpu_tiny_project):
     assert model.decode.batches == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # every size up to the engine's 32
 
 
+def test_a_stand_in_is_profiled_as_the_gpu_it_stands_for_under_a_cache_key_of_its_own(cpu_tiny_project):
+    """Engines standing in for GPUs (2 ms a step + 0.1 ms per token, off the CPU) profile as that rule, not as the
+    tiny model's arithmetic, and their profile is kept apart from the computing engines'."""
+    with contextlib.chdir(cpu_tiny_project), skipped_compute(2.0, 0.1):
+        spec = load_spec(Path("configs/cpu-tiny.yaml"))
+        models = profiles(spec)
+        cache = json.loads((spec.build_dir / "planner-profile.json").read_text())
+    for role, model in models.items():
+        assert model.prefill_s(200) == pytest.approx(0.002 + 200 * 0.0001, rel=0.15), (role, model)
+        batch = max(model.decode.batches)  # 4 for prefill, 32 for the others
+        rule = 0.002 + batch * 0.0001  # no step sleeps less; the engine's own work per sequence comes on top
+        assert 0.97 * rule <= model.decode_s(batch, 100) <= rule + 0.002, (role, model)
+        assert model.decode_s(1, 100) == pytest.approx(0.002 + 0.0001, rel=0.25), (role, model)
+    assert sorted(key.split("#")[1].split(" ", 1)[1] for key in cache if "stand-in" in key) == ["stand-in 2.0 ms + 0.1 ms/token"] * 3
+
+
 def _sample(model: str, t_send: float, prompt: int, tokens: int) -> Sample:
     return Sample(model, 0, prompt, tokens, False, 2.0, 8, None, 0.0, t_send, tuple(t_send + 0.01 * i for i in range(tokens)),
                   (1,) * tokens, t_send + 0.1)
@@ -243,14 +263,14 @@ def test_calibration_finds_the_cost_per_sequence_a_batch_was_served_with():
     after the first; from their token times alone the search finds that cost again."""
     limits = {"aggregated": EngineLimits(8, 64, False, 16)}
     truth = Planner({"aggregated": dataclasses.replace(FLAT, per_sequence_s=0.4 * MS)}, limits, lambda n: 0.0)
-    served = truth.replay(Deployment(aggregated=1), [SimRequest(0.0, 4, 10 + 5 * i) for i in range(6)])
+    batch = truth.replay(Deployment(aggregated=1), [SimRequest(0.0, 4, 10 + 5 * i) for i in range(6)])
     samples = [Sample("aggregated", i, 4, r.output, False, None, 6, None, 0.0, 50.0 + r.arrival, tuple(50.0 + t for t in r.token_times),
-                      (1,) * r.output, 50.0 + r.token_times[-1]) for i, r in enumerate(served)]
+                      (1,) * r.output, 50.0 + r.token_times[-1]) for i, r in enumerate(batch)]
     planner = Planner({"aggregated": FLAT}, limits, lambda n: 0.0)
     cost, measured, simulated = per_sequence_cost(planner, Deployment(aggregated=1), "aggregated", samples)
     assert cost == pytest.approx(0.4 * MS, rel=0.01)
     assert simulated == pytest.approx(measured, rel=0.01)
-    assert measured == pytest.approx(np.median([r.tpot for r in served]))
+    assert measured == pytest.approx(np.median([r.tpot for r in batch]))
     slower = Planner({"aggregated": StepModel(DecodeTable((1,), (4 * MS,), (0.0,)), Linear(4 * MS, 0.0, 0.0), 0.0)}, limits, lambda n: 0.0)
     assert per_sequence_cost(slower, Deployment(aggregated=1), "aggregated", samples)[0] == 0.0  # served faster: no negative cost
 
@@ -293,17 +313,18 @@ def test_calibration_fits_the_planner_to_the_requests_it_served(cpu_tiny_project
     """Engines alone (no front in the simulation): every predicted TTFT is prompt steps plus the latency and
     every TPOT decode steps, so after calibration the median of measured minus predicted is 0 for both, for the
     requests served one at a time and, through the cost per generating sequence, for the batch sent at once.
-    Outputs of 260+ tokens give the decoding engines over half a second of steps, long enough to read their CPU;
+    Ten outputs of 130+ tokens give the decoding engines over a second of steps, long enough to read their CPU;
     the tiny model's prompts take milliseconds, too short, so the prefill engine keeps one core."""
     workload, _ = workload_variant(WORKLOAD_DIR / "quick.yaml", tmp_path, "long", prompt_tokens=[{"weight": 1.0, "min": 8, "max": 16}],
-                                   output_tokens=[{"weight": 1.0, "min": 260, "max": 290}],  # within max_seq_len 320
+                                   output_tokens=[{"weight": 1.0, "min": 130, "max": 145}],
                                    exact_output_tokens=True)
     with contextlib.chdir(cpu_tiny_project):
         spec, _ = compare_spec(Path("configs/cpu-tiny.yaml"), tmp_path)
         build(spec, log=lambda _line: None)
         planner = Planner({"prefill": FLAT, "decode": FLAT, "aggregated": FLAT}, limits_of(spec), lambda n: 0.0)
         tuned = calibrated(planner, spec, workload, tmp_path / "calibration")
-    for kind, deployment in (("aggregated", Deployment(aggregated=1)), ("disaggregated", Deployment(prefill=1, decode=1))):
+    for kind, deployment in (("aggregated", Deployment(aggregated=2)), ("disaggregated", Deployment(prefill=1, decode=1))):
+        assert served(spec, kind) == deployment  # as the spec serves it: compare_spec gives aggregated both engines
         samples = [s for s in read_samples([tmp_path / "calibration" / "samples" / f"{kind}-1users.jsonl"]) if s.ok and s.tpot]
         assert len(samples) == CALIBRATION_REQUESTS
         before = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as it was served

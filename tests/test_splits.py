@@ -1,6 +1,7 @@
 """`python -m loadtest splits`: one spec per split, goodput from the runs, the verdict."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 import yaml
 
 from loadtest.report import highest_met_rate
-from loadtest.splits import Run, prediction_errors, run_to_run, split_spec, verdict
+from loadtest.splits import Run, prediction_errors, run_to_run, split_spec, stand_in, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,3 +64,12 @@ def test_run_to_run_says_how_far_the_same_runs_moved():
                     "1.5 req/s: attainment 80% then 70%, p50 TTFT 2000 then 2500 ms (+25%), p50 TPOT 40 then 36 ms (-10%); "
                     "2 req/s: attainment 30% then 25%, p50 TTFT 5800 then 5220 ms (-10%), p50 TPOT 40 then 44 ms (+10%). "
                     "The same runs moved by p50 TTFT up to 25%, p50 TPOT up to 10%")
+
+
+def test_a_stand_in_is_two_times_and_a_step_that_takes_none_is_refused():
+    assert stand_in("20,1.5") == (20.0, 1.5)
+    assert stand_in("0,2") == (0.0, 2.0)
+    for text, message in (("20", "expected STEP_MS,TOKEN_MS"), ("a,b", "expected STEP_MS,TOKEN_MS"),
+                          ("20,-1", "both at least 0"), ("0,0", "STEP_MS or TOKEN_MS above 0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            stand_in(text)

@@ -36,12 +36,9 @@ machine's cores with the server: at high concurrency it is part of what is measu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import os
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -50,7 +47,7 @@ import psutil
 import tritonclient.grpc as grpcclient
 import yaml
 
-from disagg.engine.no_compute import SKIP_COMPUTE_ENV, STEP_MS_ENV
+from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
 from disagg.triton.credential import PARAMETER
 from tools.stream_client import build_inputs, end_stream
@@ -317,21 +314,6 @@ class Driver:
             self._send_new(now)
         if not self.flights:
             self._idle.notify_all()
-
-
-@contextlib.contextmanager
-def skipped_compute(step_ms: float) -> Iterator[None]:
-    """Servers started inside get engines that skip the forward pass, each step taking `step_ms`."""
-    old = {name: os.environ.get(name) for name in (SKIP_COMPUTE_ENV, STEP_MS_ENV)}
-    os.environ.update({SKIP_COMPUTE_ENV: "1", STEP_MS_ENV: str(step_ms)})
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
 
 
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,

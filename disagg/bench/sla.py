@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from disagg.engine.no_compute import SKIP_COMPUTE_ENV, STEP_MS_ENV, TOKEN_MS_ENV
+from disagg.engine.no_compute import stand_in_env
 from disagg.engine.sampling import NO_END_ID
 from tools.stream_client import build_inputs
 
@@ -64,7 +64,7 @@ class Pool:
     cost: float = 1.0
 
     def env(self) -> dict[str, str]:
-        return {SKIP_COMPUTE_ENV: "1", STEP_MS_ENV: str(self.step_ms), TOKEN_MS_ENV: str(self.token_ms)}
+        return stand_in_env(self.step_ms, self.token_ms)
 
 
 @dataclass(frozen=True)

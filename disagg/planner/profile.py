@@ -12,7 +12,8 @@ chunk of n tokens after o cached ones attends to P = n * (o + (n + 1) / 2); its 
 added at the decode table's rate. Timed in this process with the engine's own code (one BLAS thread, as
 `loadtest compare` serves); decode batches get their contexts by importing one prefilled prompt's KV, as
 a generation-only request does, so no batch waits for its prompts. The worst relative error over the
-timed steps is kept beside the model.
+timed steps is kept beside the model. Where the environment makes the engines stand-ins for GPUs
+(disagg.engine.no_compute), the stand-in is what is timed, as the engine models would serve it.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
 from disagg.engine.engine import ContextPhase, LLMEngine, Request, Status
+from disagg.engine.no_compute import skip_compute
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,9 @@ def profile_engine(engine_dir: Path, progress: bool = True) -> StepModel:
     """Times prompts (whole, or chunk by chunk where the engine chunks them) at lengths up to the engine's
     max input length, decode steps at batch sizes up to its max batch and two context lengths (DECODE_PASSES
     passes over them), and, where it chunks prompts, chunks beside a batch of decodes. One BLAS thread, as the
-    engine model serves (disagg.triton.engine_model)."""
+    engine model serves (disagg.triton.engine_model), and its stand-in where DISAGG_SKIP_COMPUTE makes one."""
     with threadpool_limits(1, user_api="blas"):
-        return Profiler(LLMEngine(engine_dir)).run(engine_dir.name, progress)
+        return Profiler(LLMEngine(engine_dir, skip_compute=skip_compute())).run(engine_dir.name, progress)
 
 
 DECODE_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
