@@ -20,6 +20,9 @@ pytestmark = pytest.mark.e2e
 
 INSTANCES = 3
 STOPS = 3  # the crash came at some stops, not all
+# The aggregated deployment alone (loadtest.compare's deployment_models), as the crashing runs served it.
+AGGREGATED_ONLY = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in
+                   ("preprocessing", "postprocessing", "aggregated_engine", "aggregated_orchestrator", "aggregated")))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def _gauge(text: str, request_type: str) -> list[float]:
 def test_a_model_of_three_instances_publishes_the_backend_gauges_once_and_stops_cleanly(repository, start_triton):
     max_batch = yaml.safe_load((repository.parent / "configs" / "cpu-tiny.yaml").read_text())["roles"]["aggregated"]["max_batch_size"]
     for _ in range(STOPS):
-        server = start_triton(repository)
+        server = start_triton(repository, *AGGREGATED_ONLY)
         assert stream(server.grpc_url, "aggregated", "Call me Ishmael.", 8).text
         deadline = time.monotonic() + 5
         while (found := _gauge(scrape(server.metrics_url), "max")) != [INSTANCES * max_batch] and time.monotonic() < deadline:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 def test_a_short_soak_hangs_nothing_leaks_nothing_and_heals_every_fault(cpu_tiny_project, tmp_path):
     log = tmp_path / "soak.log"
-    report = run(cpu_tiny_project / "model_repository", duration_s=30, clients=4, pause_s=5.0, log=log)
+    report = run(cpu_tiny_project / "model_repository", duration_s=24, clients=4, pause_s=5.0, log=log)
     events = [line for line in log.read_text().splitlines()
               if line.startswith("disagg-serve:") or "Signal" in line or "terminate" in line or "exception" in line]
     assert report.failures() == [], (report, events[-40:])
@@ -20,7 +20,7 @@ def test_a_short_soak_hangs_nothing_leaks_nothing_and_heals_every_fault(cpu_tiny
     # A killed stub, or ending a stopped one, can abort the engine's own server (README, Known problems):
     # then that server is started again, which takes longer than a model reload.
     assert all(f["served_again_after_s"] < (10.0 if f["engine_server_restarted"] else 5.0) for f in report.faults), report
-    assert report.outcomes.get("completed", 0) > 100 and report.outcomes.get("bad_input_refused", 0) > 10
+    assert report.outcomes.get("completed", 0) > 80 and report.outcomes.get("bad_input_refused", 0) > 10, report.outcomes
     assert report.outcomes.get("hung", 0) == 0 and report.server_restarts == 0
     assert report.engine_restarts["prefill"] >= 1 and report.engine_restarts["decode"] >= 2, report.engine_restarts
     assert any("has been stopped for" in line for line in events), events
