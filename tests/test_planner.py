@@ -85,6 +85,25 @@ def test_disaggregated_hands_off_after_the_context_phase():
     assert req.token_times == pytest.approx([20 * MS, 23 * MS, 24 * MS, 25 * MS])
 
 
+def test_aggregated_instances_take_requests_in_turn_and_decodes_go_to_the_least_loaded():
+    """Triton hands the aggregated engine model's requests to its instances in turn, whatever each holds; the
+    orchestrator sends a decode to its least loaded instance. A long request, a short one that is over by 3 ms,
+    then another short one at 3.2 ms; every step 1 ms."""
+    limits = {"aggregated": EngineLimits(8, 512, False, 16), "prefill": EngineLimits(8, 512, False, 16),
+              "decode": EngineLimits(8, 8, True, 16)}
+    steps = {"aggregated": FLAT, "prefill": FLAT, "decode": FLAT}
+
+    def requests() -> list[SimRequest]:
+        return [SimRequest(0.0, 16, 20), SimRequest(0.5 * MS, 16, 2), SimRequest(3.2 * MS, 16, 2)]
+
+    aggregated = simulate(Deployment(aggregated=2), steps, limits, requests(), lambda n: 0.0)
+    # in turn: the third goes to the first instance, beside the long one, though the second is idle
+    assert aggregated[2].token_times == pytest.approx([5 * MS, 6 * MS])
+    split = simulate(Deployment(prefill=1, decode=2), steps, limits, requests(), lambda n: 0.0)
+    # least loaded: its decode goes to the idle second decode instance, not beside the long one
+    assert split[2].token_times == pytest.approx([4.2 * MS, 5.2 * MS])
+
+
 def test_a_prompt_over_the_budget_waits_without_chunked_context():
     limits = {"prefill": EngineLimits(4, 100, False, 16), "decode": EngineLimits(8, 8, True, 16)}
     steps = {"prefill": FLAT, "decode": FLAT}
