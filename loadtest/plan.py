@@ -72,7 +72,8 @@ def profiles(spec: DeploymentSpec) -> dict[str, StepModel]:
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     sources = [Path(profile_module.__file__), *sorted(Path(engine_module.__file__).parent.glob("*.py"))]
     profiler = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
-    stand_in = f" {stand_in_key()}" if stand_in_key() else ""
+    stand_in = stand_in_key()
+    stand_in = f" {stand_in}" if stand_in else ""
     out = {}
     for role in spec.roles:
         engine = spec.engine_dir(role)
@@ -124,7 +125,7 @@ MEASURABLE_TICKS = 50  # a role's steps must last this many CPU-clock ticks for 
 
 def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path) -> Planner:
     """The planner fitted to what serving adds to the profiled steps here and now, for each deployment as `spec`
-    serves it (`served`: its instances of each role, a fresh server per run), in two runs of the workload's requests.
+    serves it (`deployment_of`: its instances of each role, a fresh server per run), in two runs of the workload's requests.
 
     First a few requests, one at a time, against the same requests simulated one by one. The median of
     measured minus predicted TTFT becomes the deployment's latency (`Planner.latency_s`: the hops between
@@ -155,7 +156,7 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
                                                   prompt_tokens=[{"weight": 1.0, "min": shortest, "max": shortest}],
                                                   exact_output_tokens=True)
     for kind, prompt_role, decode_role in (("aggregated", "aggregated", "aggregated"), ("disaggregated", "prefill", "decode")):
-        deployment = served(spec, kind)
+        deployment = deployment_of(spec, kind)
         planner = _fitted_alone(planner, spec, alone, out, kind, deployment, prompt_role, decode_role)
         samples_path, _ = run_point(kind, None, spec, str(batch_path), batch_workload, out)
         together = read_samples([samples_path])
@@ -167,7 +168,7 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
     return planner
 
 
-def served(spec: DeploymentSpec, kind: str) -> Deployment:
+def deployment_of(spec: DeploymentSpec, kind: str) -> Deployment:
     """The deployment of `kind` that `spec` serves: every instance of its roles (loadtest.compare's
     deployment_models loads them all), which calibration simulates, since a batch sent at once spreads over them."""
     r = spec.roles

@@ -8,21 +8,21 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 from disagg.cli import main
 from disagg.serve.metrics import scrape
+from disagg.spec import load_spec
+from loadtest.compare import deployment_models
 from tools.stream_client import stream
 
 pytestmark = pytest.mark.e2e
 
 INSTANCES = 3
 STOPS = 3  # the crash came at some stops, not all
-# The aggregated deployment alone (loadtest.compare's deployment_models), as the crashing runs served it.
-AGGREGATED_ONLY = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in
-                   ("preprocessing", "postprocessing", "aggregated_engine", "aggregated_orchestrator", "aggregated")))
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,13 @@ def _gauge(text: str, request_type: str) -> list[float]:
 
 
 def test_a_model_of_three_instances_publishes_the_backend_gauges_once_and_stops_cleanly(repository, start_triton):
-    max_batch = yaml.safe_load((repository.parent / "configs" / "cpu-tiny.yaml").read_text())["roles"]["aggregated"]["max_batch_size"]
+    with contextlib.chdir(repository.parent):
+        spec = load_spec(Path("configs/cpu-tiny.yaml"))
+    max_batch = spec.roles["aggregated"].max_batch_size
+    _, models = deployment_models(spec, "aggregated")
+    only_aggregated = ["--model-control-mode=explicit", *(f"--load-model={m}" for m in models)]  # as the crashing runs served it
     for _ in range(STOPS):
-        server = start_triton(repository, *AGGREGATED_ONLY)
+        server = start_triton(repository, *only_aggregated)
         assert stream(server.grpc_url, "aggregated", "Call me Ishmael.", 8).text
         deadline = time.monotonic() + 5
         while (found := _gauge(scrape(server.metrics_url), "max")) != [INSTANCES * max_batch] and time.monotonic() < deadline:

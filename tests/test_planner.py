@@ -17,7 +17,7 @@ from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, 
 from disagg.spec import load_spec
 from loadtest.compare import compare_spec
 from loadtest.plan import (
-    CALIBRATION_REQUESTS, calibrated, check, front_s_per_token, limits_of, per_sequence_cost, predicted_run, profiles, replayed, served, traffic_of,
+    CALIBRATION_REQUESTS, calibrated, check, deployment_of, front_s_per_token, limits_of, per_sequence_cost, predicted_run, profiles, replayed, traffic_of,
 )
 from loadtest.splits import split_spec
 from loadtest.samples import Sample, read_samples
@@ -343,7 +343,7 @@ def test_calibration_fits_the_planner_to_the_requests_it_served(cpu_tiny_project
         planner = Planner({"prefill": FLAT, "decode": FLAT, "aggregated": FLAT}, limits_of(spec), lambda n: 0.0)
         tuned = calibrated(planner, spec, workload, tmp_path / "calibration")
     for kind, deployment in (("aggregated", Deployment(aggregated=2)), ("disaggregated", Deployment(prefill=1, decode=1))):
-        assert served(spec, kind) == deployment  # as the spec serves it: compare_spec gives aggregated both engines
+        assert deployment_of(spec, kind) == deployment  # as the spec serves it: compare_spec gives aggregated both engines
         samples = [s for s in read_samples([tmp_path / "calibration" / "samples" / f"{kind}-1users.jsonl"]) if s.ok and s.tpot]
         assert len(samples) == CALIBRATION_REQUESTS
         before = [planner.replay(deployment, replayed([s]))[0] for s in samples]  # each alone, as it was served
