@@ -80,15 +80,15 @@ class Report:
 
 
 class Deployment:
-    """disagg-serve on free loopback ports."""
+    """disagg-serve on free loopback ports, with `extra` arguments."""
 
-    def __init__(self, repo: Path, log: Path):
+    def __init__(self, repo: Path, log: Path, extra: tuple[str, ...] = ()):
         self.repo = repo
         self.http, self.grpc, self.metrics, self.api = free_ports(4)
         self.key = board_key(repo)
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "disagg-serve"), "--model-repository", str(repo), "--http-port", str(self.http),
-             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--openai-port", str(self.api)],
+             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), "--openai-port", str(self.api), *extra],
             stdout=open(log, "w"), stderr=subprocess.STDOUT,
         )
         self.log = log

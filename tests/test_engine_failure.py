@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from disagg.engine.sampling import NO_END_ID
-from disagg.serve import supervisor, watchdog
+from disagg.serve import watchdog
 from disagg.serve.leftovers import deployment_objects
 from disagg.serve.metrics import by_role, scrape
 from disagg.triton.load_board import board_key, pid_alive
@@ -29,6 +29,7 @@ from tools.stream_client import stream
 pytestmark = pytest.mark.e2e
 
 NO_KV = {"prefill": 0, "decode": 0, "aggregated": 0}
+HUNG_AFTER_S = 6.0  # disagg-serve's --hung-after-secs here (default 15): the hung-server test waits it out
 
 
 class Served(Deployment):
@@ -63,7 +64,8 @@ class Served(Deployment):
 
 @pytest.fixture(scope="module")
 def served(cpu_tiny_project, tmp_path_factory):
-    s = Served(cpu_tiny_project / "model_repository", tmp_path_factory.mktemp("serve") / "disagg-serve.log")
+    s = Served(cpu_tiny_project / "model_repository", tmp_path_factory.mktemp("serve") / "disagg-serve.log",
+               ("--hung-after-secs", str(HUNG_AFTER_S)))
     yield s
     if s.proc.poll() is None:
         s.stop()
@@ -177,11 +179,11 @@ def test_a_stopped_decode_is_ended_and_reloaded_and_its_requests_fail_naming_the
 
 def test_a_hung_server_is_killed_and_started_again(served):
     """A tritonserver that answers nothing (stopped here; a crash deadlocked in its signal handler looks
-    the same) is killed after HUNG_AFTER_S and started again on the same ports."""
+    the same) is killed after --hung-after-secs and started again on the same ports."""
     os.kill(served.main_pid(), signal.SIGSTOP)
-    waited = served.until(lambda: "disagg-serve: tritonserver ready again" in served.log.read_text(), supervisor.HUNG_AFTER_S + 60,
+    waited = served.until(lambda: "disagg-serve: tritonserver ready again" in served.log.read_text(), HUNG_AFTER_S + 60,
                           "the hung server started again")
-    assert waited > supervisor.HUNG_AFTER_S
+    assert waited > HUNG_AFTER_S
     assert "answered no liveness probe" in served.log.read_text()
     assert served.serves()
 

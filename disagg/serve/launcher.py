@@ -50,7 +50,7 @@ from disagg.serve.leftovers import end_orphan_stubs, sweep
 from disagg.serve.openai_front import OpenAIFront
 from disagg.serve.server import ServerError, TritonServer, free_ports
 from disagg.serve.supervisor import PREFIX as _PREFIX
-from disagg.serve.supervisor import Supervised
+from disagg.serve.supervisor import HUNG_AFTER_S, Supervised
 from disagg.serve.watchdog import Watchdog
 from disagg.triton import load_board, replicas
 from disagg.triton.contract import ENGINE_URLS_ENV
@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--one-server", action="store_true", help="disagg-serve only: run the engine models in the main server too")
     p.add_argument("--announce", metavar="DIR", help="disagg-serve only: serve as a pool replica listed in the registry DIR "
                    "(one server; leaves the registry and drains before it stops)")
+    p.add_argument(
+        "--hung-after-secs", type=float, default=HUNG_AFTER_S,
+        help=f"disagg-serve only: kill and start again a server that answered no liveness probe for this long "
+             f"(default {HUNG_AFTER_S:g})",
+    )
     p.add_argument(
         "--ready-timeout-secs", type=float, default=600.0,
         help="disagg-serve only: give up when the server is not ready after this long (default 600)",
@@ -146,7 +151,8 @@ class Servers:
         for name in engines:
             ports = (next(picked), next(picked), next(picked))
             self.engines[name] = Supervised(f"tritonserver of {name}", server(name, ports, [name], {}, "127.0.0.1", []), signalled,
-                                            on_restart=lambda name=name: load_board.count_restart(self.key, name))
+                                            on_restart=lambda name=name: load_board.count_restart(self.key, name),
+                                            hung_after_s=args.hung_after_secs)
         urls = ",".join(f"{name}={sup.server.grpc_url}" for name, sup in self.engines.items())
         served = only or _models(self.repository)
         front_models = [m for m in served if m not in self.engines] if isolate else (only or ["*"])
@@ -154,7 +160,7 @@ class Servers:
             "main", (args.http_port, args.grpc_port, args.metrics_port), front_models, {ENGINE_URLS_ENV: urls} if urls else {},
             None if chooses_address else "127.0.0.1", [*(f"--model-repository={r}" for r in more), *passthrough],
             user_configs,
-        ), signalled)
+        ), signalled, hung_after_s=args.hung_after_secs)
         self.isolated = isolate
 
     @property

@@ -3,7 +3,7 @@
 A server that exits without being told to (a crash) is stopped properly (its process group ended, what
 it left swept) and started again at once, then after 1, 2, 4 ... s, at most MAX_SERVER_RESTARTS times within
 RESTART_WINDOW_S. A server that printed a fatal signal and is still running CRASH_EXIT_S later, or has
-answered no liveness probe for HUNG_AFTER_S, is killed first: a crash that deadlocks in tritonserver's
+answered no liveness probe for `hung_after_s` (HUNG_AFTER_S unless told), is killed first: a crash that deadlocks in tritonserver's
 signal handler (`malloc(): unaligned tcache chunk detected`, then `Signal (6) received.` over and over)
 leaves a process that serves nothing, never exits, and may still answer `/v2/health/live`.
 One told to stop that is still running `--exit-timeout-secs` + STOP_GRACE_S later is killed too.
@@ -30,11 +30,13 @@ STOP_GRACE_S = 10.0
 
 class Supervised:
     """`new_server()` builds the server (same ports every time); `signalled` is non-empty once a stop was
-    asked for; `name` is how the log calls it; `on_restart()` is called as a crashed server is started again."""
+    asked for; `name` is how the log calls it; `on_restart()` is called as a crashed server is started again;
+    `hung_after_s`: how long without an answer to a liveness probe before the server is killed."""
 
     def __init__(self, name: str, new_server: Callable[[], TritonServer], signalled: list[int],
-                 on_restart: Callable[[], None] = lambda: None):
+                 on_restart: Callable[[], None] = lambda: None, hung_after_s: float = HUNG_AFTER_S):
         self.name, self.new_server, self.signalled, self.on_restart = name, new_server, signalled, on_restart
+        self.hung_after_s = hung_after_s
         self.server = new_server()
         self.restarts = 0
 
@@ -85,7 +87,7 @@ class Supervised:
                 last_probe = now
                 if server.is_live():
                     last_live = now
-                elif now - last_live > HUNG_AFTER_S:
+                elif now - last_live > self.hung_after_s:
                     self._log(f"{self.name} has answered no liveness probe for {now - last_live:.0f} s; killing it")
                     server.process.kill()
                     last_live = now
