@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", help=f"a TensorRT-LLM spec: the GPU whose datasheet the step times come from ({', '.join(ACCELERATORS)}; "
                    "default: NVML's first GPU)")
     p.add_argument("--model-config", type=Path, help="a TensorRT-LLM spec: the model's config.json, where model.path has none")
+    p.add_argument("--front", type=Path, help="a TensorRT-LLM spec: `bench front`'s front.json, to size the front (CPU cores, "
+                   "orchestrator instances) for the recommended deployment's tokens/s")
     a = p.parse_args(argv)
     os.environ.update(THREAD_ENV)
     workload_path = workload_file(a.workload)
@@ -377,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.instances or a.check:
             raise SystemExit("error: --instances and --check: a TensorRT-LLM spec is planned for its own GPUs, from the datasheet")
         return plan_gpus.run(a, traffic_of(workload, a.rate))
+    if a.front:
+        raise SystemExit("error: --front: for a TensorRT-LLM spec; on the CPU the planner measures the front itself")
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))

@@ -1,12 +1,14 @@
 """`python -m loadtest plan` for a TensorRT-LLM spec: how to split its GPUs, from roofline step times.
 
     python -m loadtest plan --config configs/h200x8-intra-node.yaml --workload long-prompt-gpu \\
-        --model-config configs/models/Llama-3.1-8B-Instruct.json --gpu H200
+        --model-config configs/models/Llama-3.1-8B-Instruct.json --gpu H200 [--front build/front-bench/front.json]
 
 The GPU budget is the spec's (every role's TP x PP x instances); the engine limits are its roles'. Step times
 are estimated from the GPU's datasheet (disagg.planner.roofline), not measured: each figure printed is as
 good as those efficiencies. The model's shape comes from the checkpoint's config.json, or `--model-config`
-where the checkpoint is not at hand; the GPU from NVML, or `--gpu`. A spec with `pools` (replicas, a class of
+where the checkpoint is not at hand; the GPU from NVML, or `--gpu`. With `--front` (`bench front`'s rows, measured
+on a host like the one that will serve), it also says what the front needs at the recommended deployment's
+tokens/s: CPU cores, and instances of its busiest Python model (disagg.planner.front_cost). A spec with `pools` (replicas, a class of
 hardware per pool) is refused: plan each pool's hardware as a spec of its own.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 from disagg.placement.inventory import inventory
 from disagg.placement.plan import DTYPE_BYTES
 from disagg.planner import roofline
+from disagg.planner.front_cost import front_cost
 from disagg.planner.gpu_plan import PRUNE_MARGIN, GpuOption, gpu_plan, tp_sizes
 from disagg.planner.plan import Traffic
 from disagg.planner.simulate import Deployment, EngineLimits
@@ -116,4 +119,27 @@ def run(a: argparse.Namespace, traffic: Traffic) -> int:
               f"{agg.goodput:.1f} req/s; the recommended split gives {ratio} its goodput")
     else:
         print("plan: aggregated serving does at least as well as any split for this workload")
+    if a.front:
+        print_front(spec, a.front, best, traffic)
     return 0
+
+
+def mean_output_tokens(traffic: Traffic) -> float:
+    return sum(w * (lo + hi) / 2 for w, lo, hi in traffic.output_bins) / sum(w for w, _, _ in traffic.output_bins)
+
+
+def print_front(spec: DeploymentSpec, source, best: GpuOption, traffic: Traffic) -> None:
+    """The front the recommended deployment needs at its goodput, at the CPU per token `bench front` measured."""
+    cost = front_cost(source, "tensorrt_llm_bls" if spec.orchestrator.bls else "ensemble")
+    tokens_per_s = best.goodput * mean_output_tokens(traffic)
+    shares = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(cost.ms_per_token.items(), key=lambda kv: -kv[1]) if ms >= 0.005)
+    print(f"plan: the front at {best.goodput:.1f} req/s x {mean_output_tokens(traffic):.0f} output tokens = {tokens_per_s:.0f} tokens/s, "
+          f"through {cost.path} at {cost.total_ms:.2f} ms of CPU per token ({shares}; measured at {cost.streams} streams, {source}, "
+          f"on that host's cores): {cost.cores(tokens_per_s):.1f} cores busy")
+    given = {"preprocessing": 1, "postprocessing": 1}  # the repository's pre/postprocessing run one instance each
+    for model, needed in sorted(cost.instances(tokens_per_s).items()):
+        has = given.get(model, spec.orchestrator.instances)
+        advice = "" if has >= needed else (
+            f": short, set orchestrator.instances: {needed}" if model not in given else
+            ": short, and it runs one instance: serve through tensorrt_llm_bls (orchestrator.bls: true)")
+        print(f"plan:   {model}: one core at most per instance, needs at least {needed}, this spec gives it {has}{advice}")

@@ -3,17 +3,20 @@ and `python -m loadtest plan` on a TensorRT-LLM spec."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from disagg.planner import roofline
 from disagg.planner import gpu_plan
+from disagg.planner.front_cost import front_cost
 from disagg.planner.gpu_plan import _candidates, tp_sizes
 from disagg.planner.plan import Traffic
 from disagg.planner.simulate import EngineLimits
-from disagg.spec import SpecError
+from disagg.spec import SpecError, load_spec
 from loadtest import plan_gpus
 from trtllm_helpers import LLAMA_3_1_8B, LLAMA_3_1_8B_PARAMS, ROOT
 
@@ -82,8 +85,10 @@ def _traffic(rate: float = 2.0) -> Traffic:
 
 def test_two_gpus_every_option_within_its_bound_best_first_and_the_spec_s_own_split_placed(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu_plan, "SIMULATED_SECONDS", 30.0)  # a quarter of the runs' length, to keep the test short
+    front = tmp_path / "front.json"
+    front.write_text(json.dumps({"rows": FRONT_ROWS}))
     a = argparse.Namespace(config=yaml_spec(tmp_path, prefill_tp=1, decode_tp=1), gpu="H200",
-                           model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json")
+                           model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json", front=front)
     assert plan_gpus.run(a, _traffic()) == 0
     out = capsys.readouterr().out
     assert "plan: two-gpus: 2 x H200 SXM, 16.1 GB of weights, KV handoff over NVLink" in out
@@ -102,25 +107,83 @@ def test_two_gpus_every_option_within_its_bound_best_first_and_the_spec_s_own_sp
     assert f"{bound_goodput[0][1]:.1f} req/s within the SLOs" in recommended
     assert re.search(r"plan: this spec's prefill 1 x TP1 \+ decode 1 x TP1, decode batch limit 153: [\d.]+ req/s "
                      r"\(\d+% of the recommended\)", out)
+    # the front at the recommended goodput x 24 output tokens, through the ensemble (the spec renders no BLS)
+    front_line = next(line for line in out.splitlines() if line.startswith("plan: the front at "))
+    assert front_line.startswith(f"plan: the front at {bound_goodput[0][1]:.1f} req/s x 24 output tokens = ")
+    assert "tokens/s, through ensemble at 1.20 ms of CPU per token (stub disagg_orchestrator 0.50, tritonserver 0.35, " \
+           f"stub postprocessing 0.34, stub preprocessing 0.01; measured at 64 streams, {front}, on that host's cores)" in front_line
+    tokens_per_s = float(front_line.split(" = ")[1].split()[0])
+    assert abs(tokens_per_s - bound_goodput[0][1] * 24) < 2
+    assert front_line.endswith(f": {tokens_per_s * 1.2e-3:.1f} cores busy")
+    assert "plan:   disagg_orchestrator: one core at most per instance, needs at least 1, this spec gives it 1\n" in out
+    assert "plan:   preprocessing" not in out  # 0.01 ms a token: below what a path's own model spends
+
+
+def test_the_front_a_deployment_needs_names_each_model_short_of_instances_and_what_to_set(tmp_path, capsys):
+    """48.8 req/s x 300 output tokens (the H200 spec's recommendation) = 14640 tokens/s."""
+    front = tmp_path / "front.json"
+    front.write_text(json.dumps({"rows": FRONT_ROWS}))
+    spec = load_spec(yaml_spec(tmp_path, prefill_tp=1, decode_tp=1), LLAMA_3_1_8B)
+    traffic = Traffic(((1.0, 1000, 7000),), ((1.0, 100, 500),), 30.0, ttft_slo_s=1.0, tpot_slo_s=0.02)
+    plan_gpus.print_front(spec, front, SimpleNamespace(goodput=48.8), traffic)
+    out = capsys.readouterr().out
+    assert ": 17.6 cores busy" in out  # 14640 x 1.20 ms
+    assert "plan:   disagg_orchestrator: one core at most per instance, needs at least 8, this spec gives it 1: short, set " \
+           "orchestrator.instances: 8" in out  # 7.32 cores of one model
+    assert "plan:   postprocessing: one core at most per instance, needs at least 5, this spec gives it 1: short, and it runs one " \
+           "instance: serve through tensorrt_llm_bls (orchestrator.bls: true)" in out  # 4.98 cores
+    h200 = load_spec(ROOT / "configs" / "h200x8-intra-node.yaml", LLAMA_3_1_8B)  # sized by that advice
+    plan_gpus.print_front(h200, front, SimpleNamespace(goodput=48.8), traffic)
+    lines = capsys.readouterr().out.splitlines()
+    assert "through tensorrt_llm_bls at 0.60 ms of CPU per token (stub tensorrt_llm_bls 0.47, tritonserver 0.13;" in lines[0]
+    assert lines[1:] == ["plan:   tensorrt_llm_bls: one core at most per instance, needs at least 7, this spec gives it 7"]  # 6.88 cores
+
+
+# `bench front`'s rows (front.json), as measured on 4 December at 64 streams and 20 ms steps, rounded
+FRONT_ROWS = [
+    {"path": "ensemble", "streams": 64, "cpu_ms_per_token": {
+        "tritonserver": 0.55, "stub disagg_orchestrator": 0.5, "stub postprocessing": 0.34, "client": 0.25, "stub decode": 0.23,
+        "stub prefill": 0.04, "stub preprocessing": 0.01}},
+    {"path": "ensemble", "streams": 16, "cpu_ms_per_token": {"tritonserver": 9.0, "stub disagg_orchestrator": 9.0}},
+    {"path": "tensorrt_llm_bls", "streams": 64, "cpu_ms_per_token": {"stub tensorrt_llm_bls": 0.47, "tritonserver": 0.33}},
+    {"path": "prefill + decode", "streams": 64, "cpu_ms_per_token": {"client": 0.22, "stub decode": 0.21, "tritonserver": 0.2}},
+    {"path": "prefill + decode", "streams": 16, "cpu_ms_per_token": {"tritonserver": 0.1}},
+]
+
+
+def test_the_front_cost_counts_the_front_s_models_and_what_tritonserver_spends_beyond_the_engines(tmp_path):
+    """At the highest level both paths were measured; the engines' stubs and the client are not the front."""
+    source = tmp_path / "front.json"
+    source.write_text(json.dumps({"rows": FRONT_ROWS}))
+    bls = front_cost(source, "tensorrt_llm_bls")
+    assert (bls.streams, bls.ms_per_token) == (64, {"stub tensorrt_llm_bls": 0.47, "tritonserver": pytest.approx(0.13)})
+    assert bls.cores(10_000) == pytest.approx(6.0)
+    assert bls.instances(10_000) == {"tensorrt_llm_bls": 5}  # 4.7 cores of one model's stub
+    assert bls.instances(100) == {"tensorrt_llm_bls": 1}
+    source.write_text(json.dumps({"rows": FRONT_ROWS[:3]}))
+    with pytest.raises(SystemExit, match=r"no level measured both through tensorrt_llm_bls and with the engines called directly"):
+        front_cost(source, "tensorrt_llm_bls")
 
 
 def test_the_cli_refuses_pipeline_parallelism_pools_and_an_unknown_gpu(tmp_path):
     a = argparse.Namespace(config=yaml_spec(tmp_path, prefill_tp=1, decode_tp=1, decode_pp=2), gpu="H200",
-                           model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json")
+                           model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json", front=None)
     with pytest.raises(SpecError, match=r"roles.decode.pp: 2: the roofline planner models tensor parallelism only"):
         plan_gpus.run(a, _traffic())
     with pytest.raises(SystemExit, match=r"--gpu: 'B300' has no datasheet figures here \(known: H200, H100, A100\)"):
         plan_gpus.accelerator("B300")
     pools = argparse.Namespace(config=ROOT / "configs" / "k8s-pools.yaml", gpu="H200",
-                               model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json")
+                               model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json", front=None)
     with pytest.raises(SpecError, match=r"pools: the roofline planner plans one kind of GPU for the spec's own devices"):
         plan_gpus.run(pools, _traffic())
 
 
 def yaml_spec(tmp_path, prefill_tp: int, decode_tp: int, decode_pp: int = 1):
-    """configs/h200x8-intra-node.yaml cut to one prefill and one decode instance on GPUs 0.. and after."""
+    """configs/h200x8-intra-node.yaml cut to one prefill and one decode instance on GPUs 0.. and after, served
+    through the ensemble by one orchestrator instance."""
     raw = yaml.safe_load((ROOT / "configs" / "h200x8-intra-node.yaml").read_text())
     raw["name"] = "two-gpus"
+    raw["orchestrator"] = {"instances": 1}
     raw["roles"]["prefill"].update(tp=prefill_tp, instances=1, devices=[list(range(prefill_tp))])
     raw["roles"]["decode"].update(tp=decode_tp, pp=decode_pp, instances=1,
                                   devices=[list(range(prefill_tp, prefill_tp + decode_tp * decode_pp))])

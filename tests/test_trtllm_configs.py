@@ -174,6 +174,7 @@ def test_h200_launch_script(h200):
     assert [a for a in front if a.startswith("--load-model=") or "-port=" in a] == [
         "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", "--load-model=preprocessing",
         "--load-model=postprocessing", "--load-model=disagg_orchestrator", "--load-model=ensemble",
+        "--load-model=tensorrt_llm_bls",  # the spec's orchestrator.bls: its front is sized for it
     ]  # fmt: skip
     assert not any("-address=" in a for a in front)
     assert front[-2:] == restricted

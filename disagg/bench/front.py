@@ -29,6 +29,8 @@ ratio is given against both). Last, `--alternate` rounds of one request on each 
 comparison again, as the median of the rounds' differences with its 95% interval, and their quartiles, which a
 drift in the machine's speed between two rows does not move; front_floor's rounds say how much of
 tensorrt_llm_bls's added TTFT any Python model and gRPC hop would add here, and how much is its own.
+The rows are saved to `<out>/front.json`, from which `loadtest plan --front` sizes a GPU deployment's front
+(disagg.planner.front_cost).
 
 One client drives every path the same way (one gRPC stream, requests told apart by id) and shares the
 machine's cores with the server: at high concurrency it is part of what is measured, for every path alike.
@@ -36,10 +38,11 @@ machine's cores with the server: at high concurrency it is part of what is measu
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -454,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     before = engine_ceiling(Path("build"), CEILING_BATCHES)
     rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog,
                    min_requests=args.min_requests, alternate=args.alternate)
-    for line in summary(rows, (before, engine_ceiling(Path("build"), CEILING_BATCHES))):
+    after = engine_ceiling(Path("build"), CEILING_BATCHES)
+    for line in summary(rows, (before, after)):
         print(line)
+    saved = args.out / "front.json"
+    saved.write_text(json.dumps({"step_ms": args.step_ms, "max_tokens": args.max_tokens, "engine_peak": [before, after],
+                                 "rows": [asdict(r) for r in rows if r.round is None]}, indent=1))
+    print(f"  rows saved to {saved} (for `python -m loadtest plan --front`)")
     return 0
