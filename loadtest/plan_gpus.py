@@ -8,7 +8,7 @@ are estimated from the GPU's datasheet (disagg.planner.roofline), not measured: 
 good as those efficiencies. The model's shape comes from the checkpoint's config.json, or `--model-config`
 where the checkpoint is not at hand; the GPU from NVML, or `--gpu`. With `--front` (`bench front`'s rows, measured
 on a host like the one that will serve), it also says what the front needs at the recommended deployment's
-tokens/s: CPU cores, and instances of its busiest Python model (disagg.planner.front_cost). A spec with `pools` (replicas, a class of
+tokens/s: CPU cores, and the instances each of its Python models needs (disagg.planner.front_cost). A spec with `pools` (replicas, a class of
 hardware per pool) is refused: plan each pool's hardware as a spec of its own.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import json
 from disagg.placement.inventory import inventory
 from disagg.placement.plan import DTYPE_BYTES
 from disagg.planner import roofline
-from disagg.planner.front_cost import front_cost
-from disagg.planner.gpu_plan import PRUNE_MARGIN, GpuOption, gpu_plan, tp_sizes
+from disagg.planner.front_cost import front_cost, shares
+from disagg.planner.gpu_plan import PRUNE_MARGIN, GpuOption, gpu_plan, length_moments, tp_sizes
 from disagg.planner.plan import Traffic
 from disagg.planner.simulate import Deployment, EngineLimits
 from disagg.spec import DeploymentSpec, SpecError, load_spec, model_config_for
@@ -124,17 +124,14 @@ def run(a: argparse.Namespace, traffic: Traffic) -> int:
     return 0
 
 
-def mean_output_tokens(traffic: Traffic) -> float:
-    return sum(w * (lo + hi) / 2 for w, lo, hi in traffic.output_bins) / sum(w for w, _, _ in traffic.output_bins)
-
-
 def print_front(spec: DeploymentSpec, source, best: GpuOption, traffic: Traffic) -> None:
     """The front the recommended deployment needs at its goodput, at the CPU per token `bench front` measured."""
     cost = front_cost(source, "tensorrt_llm_bls" if spec.orchestrator.bls else "ensemble")
-    tokens_per_s = best.goodput * mean_output_tokens(traffic)
-    shares = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(cost.ms_per_token.items(), key=lambda kv: -kv[1]) if ms >= 0.005)
-    print(f"plan: the front at {best.goodput:.1f} req/s x {mean_output_tokens(traffic):.0f} output tokens = {tokens_per_s:.0f} tokens/s, "
-          f"through {cost.path} at {cost.total_ms:.2f} ms of CPU per token ({shares}; measured at {cost.streams} streams, {source}, "
+    output, _ = length_moments(traffic.output_bins)
+    tokens_per_s = best.goodput * output
+    breakdown = ", ".join(f"{name} {ms:.2f}" for name, ms in shares(cost.ms_per_token))
+    print(f"plan: the front at {best.goodput:.1f} req/s x {output:.0f} output tokens = {tokens_per_s:.0f} tokens/s, "
+          f"through {cost.path} at {cost.total_ms:.2f} ms of CPU per token ({breakdown}; measured at {cost.streams} streams, {cost.source}, "
           f"on that host's cores): {cost.cores(tokens_per_s):.1f} cores busy")
     given = {"preprocessing": 1, "postprocessing": 1}  # the repository's pre/postprocessing run one instance each
     for model, needed in sorted(cost.instances(tokens_per_s).items()):

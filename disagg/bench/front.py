@@ -52,6 +52,7 @@ import yaml
 
 from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
+from disagg.planner.front_cost import shares
 from disagg.triton.credential import PARAMETER
 from tools.stream_client import build_inputs, end_stream
 
@@ -416,8 +417,8 @@ def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float
     top = max(r.streams for r in rows)
     lines.append(f"  CPU ms per output token by process, {top} streams (2+ cores busy means the machine, not the engine, is the limit):")
     for r in (r for r in rows if r.streams == top):
-        shares = sorted(((ms, name) for name, ms in r.cpu_ms_per_token.items() if ms >= 0.005), reverse=True)
-        lines.append(f"    {r.path:<18} total {sum(ms for ms, _ in shares):.2f}: " + ", ".join(f"{name} {ms:.2f}" for ms, name in shares))
+        shown = shares(r.cpu_ms_per_token)
+        lines.append(f"    {r.path:<18} total {sum(ms for _, ms in shown):.2f}: " + ", ".join(f"{name} {ms:.2f}" for name, ms in shown))
     peaks = [max(ceiling.values(), default=0.0) for ceiling in ceilings]
     timed = ", ".join(f"batch {batch} {rate:.0f}" for ceiling in ceilings for batch, rate in sorted(ceiling.items()))
     for front in ("ensemble", "tensorrt_llm_bls"):

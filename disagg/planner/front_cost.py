@@ -17,6 +17,7 @@ from pathlib import Path
 DIRECT = "prefill + decode"  # bench front's path of the engines called directly
 ENGINE_STUBS = frozenset({"stub prefill", "stub decode", "stub aggregated_engine"})
 MIN_MS = 0.02  # a stub spending less per token is a model of another path, idle beside this one
+SHOWN_MS = 0.005  # a process spending less per token is left out of a printed breakdown
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class FrontCost:
                 if name.startswith("stub ") and ms >= MIN_MS}
 
 
+def shares(ms_per_token: dict[str, float]) -> list[tuple[str, float]]:
+    """The processes worth printing of a per-token breakdown, the costliest first."""
+    return sorted(((name, ms) for name, ms in ms_per_token.items() if ms >= SHOWN_MS), key=lambda kv: (kv[1], kv[0]), reverse=True)
+
+
 def front_cost(source: Path, path: str) -> FrontCost:
     """`path`'s cost at the highest level `bench front` measured it and the engines called directly."""
     rows = json.loads(source.read_text())["rows"]
@@ -50,7 +56,8 @@ def front_cost(source: Path, path: str) -> FrontCost:
     if not levels:
         raise SystemExit(f"error: {source}: no level measured both through {path} and with the engines called directly")
     top = max(levels)
-    front, direct = ({r["path"]: r for r in rows if r["streams"] == top}[p]["cpu_ms_per_token"] for p in (path, DIRECT))
+    at_top = {r["path"]: r["cpu_ms_per_token"] for r in rows if r["streams"] == top}
+    front, direct = at_top[path], at_top[DIRECT]
     costs = {name: ms for name, ms in front.items() if name.startswith("stub ") and name not in ENGINE_STUBS}
     costs["tritonserver"] = max(0.0, front.get("tritonserver", 0.0) - direct.get("tritonserver", 0.0))
     return FrontCost(path, top, costs, source)

@@ -70,7 +70,7 @@ def _batch_limits(top: int, capacity: int, longest: int) -> list[int]:
     return sorted({b for b in (64,) if b < top} | {top})
 
 
-def _moments(bins: tuple[tuple[float, int, int], ...]) -> tuple[float, float]:
+def length_moments(bins: tuple[tuple[float, int, int], ...]) -> tuple[float, float]:
     """E[n] and E[n * (n + 1) / 2] of lengths drawn uniformly within weighted bins."""
     total = sum(w for w, _, _ in bins)
     mean = sum(w * (lo + hi) / 2 for w, lo, hi in bins) / total
@@ -82,8 +82,8 @@ def _bound(steps: dict[str, roofline.StepModel], deployment: Deployment, batch: 
     """Requests/s the engines sustain at most: prompts back to back without their steps' fixed cost, and each
     decode token at a full decode step's share, or, where one engine also prefills, riding along a prompt's
     step if that is cheaper."""
-    prompt, pairs = _moments(traffic.prompt_bins)
-    output, _ = _moments(traffic.output_bins)
+    prompt, pairs = length_moments(traffic.prompt_bins)
+    output, _ = length_moments(traffic.output_bins)
     context = prompt + output / 2
 
     def prompt_s(model: roofline.StepModel) -> float:
