@@ -267,6 +267,15 @@ def test_a_decode_overhead_lengthens_every_decode_step_alike_and_leaves_prompt_s
     assert faster.decode.base_s == pytest.approx((0.4 * MS, 5 * MS))
 
 
+def test_a_slower_machine_stretches_every_step_by_the_same_factor():
+    model = dataclasses.replace(StepModel(DecodeTable((1, 8), (4 * MS, 10 * MS), (6e-6, 5e-6)), Linear(2 * MS, 170e-6, 1e-9), 0.1),
+                                per_sequence_s=0.5 * MS, cpu_per_wall=1.1)
+    slower = model.slower(1.05)
+    for step in ((1, 900.0), (6, 5400.0), (16, 14400.0), (0, 0.0, 512, 512 * 256.5), (4, 3600.0, 256, 256 * 128.5)):
+        assert slower.step_s(*step) == pytest.approx(1.05 * model.step_s(*step))
+    assert (slower.cpu_per_wall, slower.fit_error) == (1.1, 0.1)  # the cores it keeps busy, as before
+
+
 def test_a_cost_per_sequence_grows_with_the_batch_and_spares_steps_of_one():
     model = dataclasses.replace(StepModel(DecodeTable((1, 8), (4 * MS, 10 * MS), (6e-6, 5e-6)), Linear(2 * MS, 170e-6, 1e-9), 0.1),
                                 per_sequence_s=0.5 * MS)

@@ -9,7 +9,11 @@ import pytest
 import yaml
 
 from loadtest.report import highest_met_rate
-from loadtest.splits import Run, prediction_errors, run_to_run, split_spec, stand_in, verdict
+from loadtest.crossover import length_variant
+from loadtest.splits import (
+    Run, against_aggregated, prediction_errors, rates_around, run_to_run, split_spec, stand_in, sustained, verdict,
+)
+from loadtest.workload import workload_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,14 +50,54 @@ def test_the_verdict_rates_the_choice_against_the_measured_best():
     assert "nothing to compare" in verdict({name: None for name in predicted}, predicted)
 
 
+def test_the_best_split_is_set_beside_aggregated_run_for_run():
+    def runs(*cells):
+        return [Run(rate, (0.0, 0.0), (attained, 0.0), itl_p95_ms=itl) for rate, attained, itl in cells]
+    measured = {"prefill x1 + decode x2": runs((1.0, 1.0, 30.0), (2.0, 0.5, 40.0)),
+                "prefill x2 + decode x1": runs((1.0, 1.0, 25.0), (2.0, 0.95, 80.0)),
+                "aggregated x3": runs((1.0, 1.0, 20.0), (2.0, 0.6, 320.0))}
+    goodput = {"prefill x1 + decode x2": 1.0, "prefill x2 + decode x1": 2.0, "aggregated x3": 1.0}
+    assert against_aggregated(measured, goodput, "aggregated x3") == (
+        "splits: at equal instances, prefill x2 + decode x1 against aggregated x3: goodput 2 req/s (met at the highest "
+        "rate run: at least) against 1 req/s (2.00x); p95 ITL 1 req/s 25 / 20 ms (1.25x); 2 req/s 80 / 320 ms (0.25x)")
+    # a tie in goodput goes to the split with the higher attainment; none met and no gaps measured are said so
+    tied = {**goodput, "prefill x2 + decode x1": 1.0, "aggregated x3": None}
+    unmeasured = {name: [Run(r.rate, r.ttft_p50_ms, r.attainment) for r in rs] for name, rs in measured.items()}
+    assert against_aggregated(unmeasured, tied, "aggregated x3") == (
+        "splits: at equal instances, prefill x2 + decode x1 against aggregated x3: goodput 1 req/s against none; "
+        "p95 ITL not measured")
+
+
 def test_prediction_errors_count_the_runs_within_a_fifth_and_leave_out_those_without_a_prediction():
-    runs = {"prefill x2 + decode x1": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 30.0)),  # TTFT +10%, TPOT -40%
-                                       Run(2.0, (800.0, 1040.0), (1.0, 1.0), (80.0, 88.0))],  # +30%, +10%
+    runs = {"prefill x2 + decode x1": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 30.0), (0.06, 0.05)),  # TTFT +10%, TPOT -40%
+                                       Run(2.0, (800.0, 1040.0), (1.0, 1.0), (80.0, 88.0), (0.25, 0.05))],  # +30%, +10%
               "aggregated x3": [Run(1.5, (900.0, float("nan")), (0.0, 0.0), (60.0, float("nan")))]}
     line = prediction_errors(runs)
-    assert line == ("splits: predicted p50 TTFT within 20% in 1 of 2 runs (median error 20%); "
-                    "p50 TPOT within 20% in 1 of 2 runs (median error 25%)")
+    assert line == ("splits: predicted p50 TTFT within 20% in 1 of 2 runs (median error 20%), and in 1 of 1 runs (median "
+                    "error 10%) where a 5% slower step moves the prediction by under 20%; p50 TPOT within 20% in 1 of 2 runs "
+                    "(median error 25%), and in 1 of 2 runs (median error 25%) where a 5% slower step moves the prediction "
+                    "by under 20%")
+    unmeasured = {"aggregated x3": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 55.0))]}  # saved before runs had a sensitivity
+    assert "in no run where a 5% slower step" in prediction_errors(unmeasured)
     assert prediction_errors({}) == "splits: no run to check the predictions against"
+
+
+def test_auto_rates_bracket_every_deployment_s_predicted_goodput():
+    rates = rates_around([0.70, 1.03, 1.0])
+    assert rates == [0.42, 0.58, 0.81, 1.1, 1.5]  # 0.6 x 0.70 to 1.5 x 1.03, evenly on a log scale
+    assert rates_around([0.0, 2.0]) == [1.2, 1.5, 1.9, 2.4, 3.0]  # a deployment that never meets the SLOs sets no bound
+    with pytest.raises(SystemExit, match="predicts that no deployment meets the SLOs at any rate; give --rates"):
+        rates_around([0.0, 0.0])
+
+
+def test_every_run_lasts_its_seconds_at_the_top_rate_not_the_workload_s_sixty_requests(tmp_path):
+    path, base = length_variant(workload_file("prefill-heavy"), 512, 60.0, tmp_path)
+    assert (base.max_requests, base.duration_s) == (60, 60.0)  # 4.2 req/s would end after 14 s
+    path, runs = sustained(path, 4.2, 60.0, tmp_path)
+    assert (runs.max_requests, runs.duration_s, runs.name) == (252, 60.0, "prefill-heavy-512-runs")
+    assert [(b.min, b.max) for b in runs.prompt_tokens] == [(460, 512)]  # the length variant's prompts, kept
+    last = runs.with_rate(4.2).arrivals()[-1]
+    assert 50.0 < last < 70.0  # the 252nd planned about 60 s in: the run ends by its duration, not its count
 
 
 def test_run_to_run_says_how_far_the_same_runs_moved():

@@ -112,6 +112,13 @@ class StepModel:
         base = tuple(max(v + seconds, 0.1 * v) for v in d.base_s)
         return replace(self, decode=DecodeTable(d.batches, base, d.per_attended_s))
 
+    def slower(self, factor: float) -> StepModel:
+        """Every step `factor` times as long: the same engine on a machine running that much slower."""
+        d, q = self.decode, self.prompt
+        return replace(self, decode=DecodeTable(d.batches, tuple(v * factor for v in d.base_s), tuple(v * factor for v in d.per_attended_s)),
+                       prompt=Linear(q.base_s * factor, q.per_token_s * factor, q.per_attended_s * factor),
+                       per_sequence_s=self.per_sequence_s * factor)
+
     @classmethod
     def from_dict(cls, raw: dict) -> StepModel:
         table = DecodeTable(*(tuple(raw["decode"][k]) for k in ("batches", "base_s", "per_attended_s")))
