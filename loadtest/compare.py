@@ -119,9 +119,10 @@ def run_locust(server: TritonServer, model: str, workload_path: str, workload: W
     prefix = out / "locust" / name
     prefix.parent.mkdir(parents=True, exist_ok=True)
     run_time = workload.duration_s + LOCUST_SLACK_S
+    users = workload.with_rate(rate).open_loop_users() if rate else workload.users
     cmd = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
-        "--host", f"http://{server.http_url}", "-u", str(workload.users), "-r", str(workload.users),
+        "--host", f"http://{server.http_url}", "-u", str(users), "-r", str(users),
         "--run-time", f"{run_time:.0f}s", "--stop-timeout", "10", "--loglevel", "WARNING",
         "--csv", str(prefix), "--json-file", str(prefix), "--html", f"{prefix}.html",
         "--model", model, "--workload", workload_path, "--tokenizer", str(tokenizer),

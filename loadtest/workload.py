@@ -99,6 +99,15 @@ class Workload:
         gaps = np.random.default_rng([self.seed, 1]).exponential(1.0 / self.rate, self.max_requests)
         return np.concatenate([[0.0], np.cumsum(gaps[1:])]).tolist()
 
+    def open_loop_users(self) -> int:
+        """Users enough that no send waits for a free one: as many as requests planned within the run, at least
+        `users`. With fewer, a deployment slower than the rate turns the open loop closed: sends fall behind
+        their schedule, the wait is in no latency, and requests planned last are never sent (a run planned at
+        4.2 req/s with 32 users sent 185 of its 252 requests, 3.1 req/s, and met the SLOs for 99% of them)."""
+        if not self.rate:
+            return self.users
+        return max(self.users, sum(t < self.duration_s for t in self.arrivals()))
+
     def requests(self, tokenizer_path: str | Path, add_special_tokens: bool = True) -> list[Request]:
         """The `max_requests` requests of a run, each built to its drawn token length. `add_special_tokens`:
         the served deployment's `model.add_special_tokens`."""

@@ -50,6 +50,14 @@ def test_open_loop_arrivals_are_poisson_at_the_rate():
     assert w.arrivals() == w.arrivals()
 
 
+def test_an_open_loop_has_a_user_for_every_request_planned_within_its_run():
+    w = replace(load_workload("prefill-heavy").with_rate(4.2), max_requests=252, duration_s=60.0)
+    planned = sum(t < 60.0 for t in w.arrivals())
+    assert w.open_loop_users() == planned and 200 < planned <= 252  # not the workload's 32
+    assert replace(w, duration_s=5.0).open_loop_users() == 32  # a short run needs no more than its own users
+    assert w.with_rate(None).open_loop_users() == 32  # a closed loop keeps its users
+
+
 def test_bad_workload_is_rejected(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text((ROOT / "loadtest/workloads/quick.yaml").read_text().replace("min: 8, max: 16", "min: 16, max: 8"))
