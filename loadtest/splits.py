@@ -184,9 +184,8 @@ def rates_around(goodputs) -> list[float]:
 def sustained(workload_path: Path, top_rate: float, seconds: float, out: Path) -> tuple[Path, Workload]:
     """The runs' workload: as many requests as `seconds` at the top rate sends, so every run lasts `seconds`.
     The planner's goodput is the rate a deployment sustains (disagg.planner.plan simulates at least
-    SIMULATED_SECONDS); the workload's own cap (60 requests) ended a 4.2 req/s run after 14 s, a burst whose
-    queue never built up: two deployments predicted to sustain 2.3 and 2.8 req/s met the SLOs for 98% of such
-    bursts at 4.2 req/s."""
+    SIMULATED_SECONDS), while the workload's own cap (60 requests) ended a 4.2 req/s run after 14 s, a burst
+    whose queues never built up."""
     return workload_variant(workload_path, out / "workloads", "runs", max_requests=math.ceil(top_rate * seconds))
 
 
