@@ -64,10 +64,12 @@ def traffic_of(workload: Workload, rate: float | None = None, prompt_tokens: int
                    workload.ttft_slo_ms / 1e3, workload.tpot_slo_ms / 1e3)
 
 
-def profiles(spec: DeploymentSpec) -> dict[str, StepModel]:
+def profiles(spec: DeploymentSpec, again: bool = False) -> dict[str, StepModel]:
     """Each role's StepModel, profiled once per built engine and way of profiling (keyed by the engine's
     config.json's mtime, the source of the profiler and of the reference engine it times, and the stand-in's
-    step rule where the engines are GPU stand-ins)."""
+    step rule where the engines are GPU stand-ins). `again`: profiled now whatever is cached (and cached
+    anew), for predictions checked against runs made now: this machine's speed moves from one hour to the
+    next (a decode step cached at 14.2 ms took 15.9 ms alone two hours later)."""
     cache_path = spec.build_dir / "planner-profile.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     sources = [Path(profile_module.__file__), *sorted(Path(engine_module.__file__).parent.glob("*.py"))]
@@ -78,7 +80,7 @@ def profiles(spec: DeploymentSpec) -> dict[str, StepModel]:
     for role in spec.roles:
         engine = spec.engine_dir(role)
         key = f"{engine.resolve()}@{(engine / 'config.json').stat().st_mtime_ns}#{profiler}{stand_in}"
-        if key not in cache:
+        if again or key not in cache:
             print(f"plan: profiling the {role} engine ({engine})", flush=True)
             cache[key] = asdict(profile_engine(engine))
         out[role] = StepModel.from_dict(cache[key])

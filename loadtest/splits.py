@@ -243,7 +243,7 @@ def run(a: argparse.Namespace) -> int:
         check_fits(spec, workload)
         build(spec, log=lambda line: print(f"build: {line}", flush=True))
     first = specs[1]
-    planner = Planner(profiles(first), limits_of(first), handoff(first), hosts(first, out / "front", engines_on_cpu=not a.stand_in))
+    planner = Planner(profiles(first, again=True), limits_of(first), handoff(first), hosts(first, out / "front", engines_on_cpu=not a.stand_in))
     planner = calibrated(planner, first, workload_path, out / "calibration")
     slower = planner.adjusted({role: steps.slower(SLOWER_STEP) for role, steps in planner.steps.items()})
     traffic = traffic_of(workload, None, a.prompt_tokens)

@@ -205,6 +205,23 @@ def test_a_stand_in_is_profiled_as_the_gpu_it_stands_for_under_a_cache_key_of_it
     assert sorted(key.split("#")[1].split(" ", 1)[1] for key in cache if "stand-in" in key) == ["stand-in 2.0 ms + 0.1 ms/token"] * 3
 
 
+def test_a_cached_profile_serves_until_one_is_asked_for_again(cpu_tiny_project, monkeypatch, capsys):
+    """`again` (splits, whose predictions are checked against runs made now) profiles every role anew and caches
+    the new tables; otherwise the cached ones serve. A stand-in rule no other test uses keeps these apart."""
+    timed = iter(range(1, 100))
+    monkeypatch.setattr("loadtest.plan.profile_engine", lambda engine: StepModel(
+        DecodeTable((1,), (next(timed) * MS,), (0.0,)), Linear(MS, 0.0, 0.0), 0.0))
+    with contextlib.chdir(cpu_tiny_project), skipped_compute(7.0, 0.7):
+        spec = load_spec(Path("configs/cpu-tiny.yaml"))
+        first = {role: m.decode_s(1, 0) for role, m in profiles(spec).items()}
+        cached = {role: m.decode_s(1, 0) for role, m in profiles(spec).items()}
+        again = {role: m.decode_s(1, 0) for role, m in profiles(spec, again=True).items()}
+        after = {role: m.decode_s(1, 0) for role, m in profiles(spec).items()}
+    assert sorted(first.values()) == pytest.approx([MS, 2 * MS, 3 * MS]) and cached == first
+    assert sorted(again.values()) == pytest.approx([4 * MS, 5 * MS, 6 * MS]) and after == again
+    assert capsys.readouterr().out.count("plan: profiling the") == 6
+
+
 def _sample(model: str, t_send: float, prompt: int, tokens: int) -> Sample:
     return Sample(model, 0, prompt, tokens, False, 2.0, 8, None, 0.0, t_send, tuple(t_send + 0.01 * i for i in range(tokens)),
                   (1,) * tokens, t_send + 0.1)
