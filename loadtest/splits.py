@@ -10,12 +10,14 @@ the planner's `Host` has them share). The rates are placed around the deployment
 predicted goodputs unless `--rates` gives them. Each deployment's measured goodput (the highest
 rate before the first whose attainment is under 90%) is printed beside the planner's prediction (`loadtest
 plan`'s profile, front cost, calibration and simulation, all measured just before the runs), and each run's
-measured p50 TTFT, p50 TPOT and attainment beside the planner's on that run's own requests. Then the
+measured p50 TTFT, p50 TPOT and attainment beside the planner's on that run's own requests, predicted at the
+machine's speed during the run (read before and after it with `SpeedProbe`, the decode engine's steps timed
+against their time at the profile: this machine's speed moved 30% within one such session). Then the
 planner's choice, the measured best, and the choice's measured goodput as a share of the best; the best
 measured split beside aggregated x N, goodput and p95 ITL run for run (where disaggregation pays); and how many
 of the predicted p50 TTFT and TPOT came within 20% of measured: over all runs, and over those whose prediction
-moves by less than that when every step takes 5% longer (near a deployment's capacity a prediction moves by more,
-and no run there can check a 20% bound on a machine whose speed moves by more than 5%). Last, the first deployment serves its rates
+moves by less than that on a machine 5% slower (near a deployment's capacity a prediction moves by more, and no
+run there can check a 20% bound on a machine whose speed moves by more than 5%). Last, the first deployment serves its rates
 again (`--no-repeat`: not): how far the same runs moved between the start and the end of the session is
 how finely this machine lets the predictions be checked. Writes <out>/splits.json. A benchmark: minutes
 per run.
@@ -44,6 +46,7 @@ import yaml
 from disagg.cli import build
 from disagg.engine.no_compute import skipped_compute
 from disagg.planner.plan import Planner
+from disagg.planner.profile import SpeedProbe
 from disagg.planner.simulate import Deployment
 from disagg.spec import DeploymentSpec, load_spec
 from loadtest.compare import THREAD_ENV, check_fits, run_point
@@ -80,12 +83,13 @@ class Run:
     ttft_p50_ms: tuple[float, float]  # measured, predicted
     attainment: tuple[float, float]
     tpot_p50_ms: tuple[float, float] = (0.0, 0.0)
-    # How far the predicted p50 TTFT and TPOT move (fractions) when every step takes SLOWER_STEP longer
+    # How far the predicted p50 TTFT and TPOT move (fractions) on a machine SLOWER_STEP times slower
     sensitivity: tuple[float, float] = (float("nan"), float("nan"))
     itl_p95_ms: float = float("nan")  # measured only: the simulation times steps, not the gaps a client sees
+    slowdown: float = 1.0  # how much slower the machine ran than when profiled (SpeedProbe): predicted at that
 
 
-# Near a deployment's capacity its queues grow with any shortfall: there a step 5% slower moves a predicted
+# Near a deployment's capacity its queues grow with any shortfall: there a machine 5% slower moves a predicted
 # p50 by more than the 20% bound (in the saved runs of 4 December, aggregated x3's p50 TPOT by 12-20%,
 # prefill x2 + decode x1's p50 TTFT by 21-23%), and this machine's speed moves by more than 5% between a
 # calibration and the runs minutes later. Such a run cannot check the bound, whatever the model.
@@ -112,7 +116,7 @@ def _relative(a: float, b: float) -> float:
 
 def prediction_errors(runs: dict[str, list[Run]]) -> str:
     """How many runs' p50 TTFT and p50 TPOT were predicted within ERROR_BOUND of measured, and the median error;
-    then the same over the runs whose prediction a step SLOWER_STEP longer moves by less than ERROR_BOUND."""
+    then the same over the runs whose prediction a machine SLOWER_STEP times slower moves by less than ERROR_BOUND."""
     parts = []
     for label, pick, moved in (("p50 TTFT", lambda r: r.ttft_p50_ms, lambda r: r.sensitivity[0]),
                                ("p50 TPOT", lambda r: r.tpot_p50_ms, lambda r: r.sensitivity[1])):
@@ -122,7 +126,7 @@ def prediction_errors(runs: dict[str, list[Run]]) -> str:
             continue
         steady = [e for e, m in errors if m < ERROR_BOUND]  # nan (not measured) is not steady
         parts.append(f"{label} within {ERROR_BOUND:.0%} in {_within([e for e, _ in errors])}, and in {_within(steady)} "
-                     f"where a {SLOWER_STEP - 1:.0%} slower step moves the prediction by under {ERROR_BOUND:.0%}")
+                     f"where a {SLOWER_STEP - 1:.0%} slower machine moves the prediction by under {ERROR_BOUND:.0%}")
     return "splits: predicted " + "; ".join(parts) if parts else "splits: no run to check the predictions against"
 
 
@@ -244,8 +248,8 @@ def run(a: argparse.Namespace) -> int:
         build(spec, log=lambda line: print(f"build: {line}", flush=True))
     first = specs[1]
     planner = Planner(profiles(first, again=True), limits_of(first), handoff(first), hosts(first, out / "front", engines_on_cpu=not a.stand_in))
+    probe = None if a.stand_in else SpeedProbe(first.engine_dir("decode"))  # a stand-in's steps sleep: their speed holds
     planner = calibrated(planner, first, workload_path, out / "calibration")
-    slower = planner.adjusted({role: steps.slower(SLOWER_STEP) for role, steps in planner.steps.items()})
     traffic = traffic_of(workload, None, a.prompt_tokens)
     deployments = [(Deployment(prefill=n, decode=a.instances - n), "disaggregated", spec) for n, spec in specs.items()]
     deployments.append((Deployment(aggregated=a.instances), "aggregated", first))
@@ -260,19 +264,23 @@ def run(a: argparse.Namespace) -> int:
     def measured(deployment: Deployment, kind: str, spec: DeploymentSpec, again: bool = False) -> list[Run]:
         name, found = str(deployment), []
         for rate in rates:
+            before = probe.slowdown() if probe else 1.0
             samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, out / (_dir(deployment) + ("-again" if again else "")))
+            slowdown = (before + probe.slowdown()) / 2 if probe else 1.0
             samples = read_samples([samples_path])
             stats = run_stats(samples, slo)
-            pred = predicted_run(planner, deployment, samples, traffic)
-            moved = predicted_run(slower, deployment, samples, traffic)
+            now = planner.slower(slowdown)
+            pred = predicted_run(now, deployment, samples, traffic)
+            moved = predicted_run(now.slower(SLOWER_STEP), deployment, samples, traffic)
             run = Run(rate, (stats.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
                       (stats.slo_attainment, pred.attainment if pred else 0.0),
                       (stats.tpot_ms["p50"] or 0.0, pred.tpot_p50_s * 1e3 if pred else float("nan")),
                       (_relative(moved.ttft_p50_s, pred.ttft_p50_s), _relative(moved.tpot_p50_s, pred.tpot_p50_s))
                       if pred else (float("nan"), float("nan")),
-                      stats.itl_ms["p95"] or float("nan"))
+                      stats.itl_ms["p95"] or float("nan"), slowdown)
             found.append(run)
-            print(f"[{name} at {rate:g} req/s{', again' if again else ''}] {_cell(run)}", flush=True)
+            print(f"[{name} at {rate:g} req/s{', again' if again else ''}] {_cell(run)}; the machine x{slowdown:.2f} "
+                  "as slow as when profiled", flush=True)
         return found
 
     runs = {str(d): measured(d, kind, spec) for d, kind, spec in deployments}

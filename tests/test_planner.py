@@ -12,7 +12,7 @@ import pytest
 from disagg.cli import build
 from disagg.engine.no_compute import skipped_compute
 from disagg.planner.plan import Planner, Traffic, predict
-from disagg.planner.profile import DecodeTable, Linear, StepModel, Timed, fit, profile_engine
+from disagg.planner.profile import PROBE_STEPS, DecodeTable, Linear, SpeedProbe, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
 from disagg.spec import load_spec
 from loadtest.compare import compare_spec
@@ -220,6 +220,27 @@ def test_a_cached_profile_serves_until_one_is_asked_for_again(cpu_tiny_project, 
     assert sorted(first.values()) == pytest.approx([MS, 2 * MS, 3 * MS]) and cached == first
     assert sorted(again.values()) == pytest.approx([4 * MS, 5 * MS, 6 * MS]) and after == again
     assert capsys.readouterr().out.count("plan: profiling the") == 6
+
+
+def test_the_speed_probe_reads_how_much_slower_the_engine_steps_now(cpu_tiny_project):
+    """Stand-in steps of 4 ms, then of 8 ms: the machine read as twice as slow as when the probe was made."""
+    with skipped_compute(4.0):
+        probe = SpeedProbe(cpu_tiny_project / "build" / "engines" / "decode")
+    assert probe.reference >= (PROBE_STEPS + 1) * 0.004  # its prompt's steps and the decodes', 4 ms each at least
+    assert probe.slowdown() == pytest.approx(1.0, abs=0.1)
+    probe.profiler.engine.model.step_s = 0.008
+    assert probe.slowdown() == pytest.approx(2.0, abs=0.2)
+
+
+def test_a_slower_machine_stretches_the_planner_s_steps_and_front_alike():
+    steps = StepModel(DecodeTable((1, 8), (4 * MS, 10 * MS), (6e-6, 5e-6)), Linear(2 * MS, 170e-6, 1e-9), 0.1)
+    limits = EngineLimits(8, 64, True, 16)
+    planner = Planner({"prefill": steps, "decode": steps}, {"prefill": limits, "decode": limits}, lambda n: 0.001 * n,
+                      {"disaggregated": Host(2.0, 0.5 * MS)}, latency_s={"disaggregated": 0.03})
+    slower = planner.slower(1.5)
+    assert slower.steps["decode"].decode_s(4, 500.0) == pytest.approx(1.5 * steps.decode_s(4, 500.0))
+    assert slower.hosts["disaggregated"].front_s_per_token == pytest.approx(0.75 * MS)
+    assert slower.latency_s == planner.latency_s and slower.handoff_s(10) == planner.handoff_s(10)  # hops, not compute
 
 
 def _sample(model: str, t_send: float, prompt: int, tokens: int) -> Sample:

@@ -74,11 +74,11 @@ def test_prediction_errors_count_the_runs_within_a_fifth_and_leave_out_those_wit
               "aggregated x3": [Run(1.5, (900.0, float("nan")), (0.0, 0.0), (60.0, float("nan")))]}
     line = prediction_errors(runs)
     assert line == ("splits: predicted p50 TTFT within 20% in 1 of 2 runs (median error 20%), and in 1 of 1 runs (median "
-                    "error 10%) where a 5% slower step moves the prediction by under 20%; p50 TPOT within 20% in 1 of 2 runs "
-                    "(median error 25%), and in 1 of 2 runs (median error 25%) where a 5% slower step moves the prediction "
+                    "error 10%) where a 5% slower machine moves the prediction by under 20%; p50 TPOT within 20% in 1 of 2 runs "
+                    "(median error 25%), and in 1 of 2 runs (median error 25%) where a 5% slower machine moves the prediction "
                     "by under 20%")
     unmeasured = {"aggregated x3": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 55.0))]}  # saved before runs had a sensitivity
-    assert "in no run where a 5% slower step" in prediction_errors(unmeasured)
+    assert "in no run where a 5% slower machine" in prediction_errors(unmeasured)
     assert prediction_errors({}) == "splits: no run to check the predictions against"
 
 

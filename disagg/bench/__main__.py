@@ -8,7 +8,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m disagg.bench", description=__doc__)
     parser.add_argument("which", choices=["engine", "corun", "serving", "front", "prefix", "clients", "sla"], help="engine: prefill/decode throughput vs roofline; "
-                        "corun: engine steps alone vs beside a second engine process; "
+                        "corun: engine steps alone vs beside other processes (wall time and CPU per step); "
                         "serving: orchestration overhead and KV handoff bandwidth; front: the front's cost and ceiling with engine "
                         "compute skipped; prefix: TTFT with prefix reuse vs without; clients: genai-perf and AIPerf on both ensembles; "
                         "sla: two classes of traffic over a fast and a slow pool, service-class routing vs round-robin and least-loaded")

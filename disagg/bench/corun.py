@@ -6,11 +6,15 @@ bus processes share. This measures that assumption on the bench model: decode st
 generation-only sequences over imported contexts, as the decode role runs them) timed alone and while a
 second process prefills prompts back to back, streams through 64 MB of memory (as the processes that carry
 tokens touch theirs, on a smaller scale) or runs a Python loop that touches almost none; then whole-prompt
-steps alone and while the second process decodes. Rounds alternate between the two conditions so that a
-drift in the machine's speed hits both; "alone" starts only once the second process has finished the work it
-had begun. Printed as p50 and p90 of each condition: the slowdown comes in spells (decode steps beside a
-prefill have run x1.7 for one round of eight and x1.0-1.1 in the others here), which a median alone would
-hide. One BLAS thread per process, as the load tests serve.
+steps alone and while the second process decodes; last, decode steps while two processes, one prefilling and
+one decoding, keep the two cores oversubscribed, as a split of three engine instances does here. Rounds
+alternate between the two conditions so that a drift in the machine's speed hits both; "alone" starts only
+once the other processes have finished the work they had begun. Printed as p50 and p90 of each condition:
+the slowdown comes in spells (decode steps beside a prefill have run x1.7 for one round of eight and x1.0-1.1
+in the others here), which a median alone would hide; and the CPU the timed thread spent per step, which the
+wall time exceeds once the cores are oversubscribed and which itself grows when the step is sliced (beside two
+busy engines here: x1.11 at batch 2 over 560-token contexts, x1.05 at batch 4 over 1024; beside one: x1.00-1.03).
+One BLAS thread per process, as the load tests serve.
 
     python -m disagg.bench corun                     # bench-100mb, batch 4 over 1024-token contexts
     python -m disagg.bench corun --batch 28 --context 256   # a decode batch as the splits runs reach
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -82,45 +87,68 @@ def _wait(done, other, timeout_s: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds: int, beside: str) -> dict[str, list[float]]:
-    """{"alone": [...], "beside": [...]}: seconds of this process's `timed` steps ("decode": batch `batch` over
-    `context`-token contexts; "prefill": one `context`-token prompt) with the second process idle, then busy with
-    `beside` (`_busy`'s work), `rounds` times."""
+@dataclass
+class Timings:
+    """Per condition ("alone", "beside"): the wall seconds of each timed step, and the CPU seconds the timing
+    thread spent per step in each round."""
+
+    wall: dict[str, list[float]] = field(default_factory=lambda: {"alone": [], "beside": []})
+    cpu: dict[str, list[float]] = field(default_factory=lambda: {"alone": [], "beside": []})
+
+
+def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds: int, beside: tuple[str, ...]) -> Timings:
+    """This process's `timed` steps ("decode": batch `batch` over `context`-token contexts; "prefill": one
+    `context`-token prompt) with the other processes idle, then each busy with its work in `beside` (`_busy`'s),
+    `rounds` times."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no BLAS thread pool inherited mid-state
-    go, idle, stop = ctx.Event(), ctx.Event(), ctx.Event()
-    other = ctx.Process(target=_busy, args=(engine_dir, beside, context, batch, go, idle, stop), daemon=True)
-    other.start()
-    seconds: dict[str, list[float]] = {"alone": [], "beside": []}
+    go, stop = ctx.Event(), ctx.Event()
+    idles = [ctx.Event() for _ in beside]
+    others = [ctx.Process(target=_busy, args=(engine_dir, work, context, batch, go, idle, stop), daemon=True)
+              for work, idle in zip(beside, idles)]
+    for other in others:
+        other.start()
+    timings = Timings()
+
+    def wait_all(done, what: str, timeout_s: float) -> None:
+        for other, idle in zip(others, idles):
+            _wait(lambda: done(idle), other, timeout_s, what)
+
     try:
         with threadpool_limits(1, user_api="blas"):
             p = Profiler(LLMEngine(engine_dir))
             prompt, phase = p.prefilled(context)
-            _wait(idle.is_set, other, READY_TIMEOUT_S, "get ready")
+            wait_all(lambda idle: idle.is_set(), "get ready", READY_TIMEOUT_S)
             for _ in range(rounds):
                 for condition in ("alone", "beside"):
                     if condition == "alone":
                         go.clear()
-                        _wait(idle.is_set, other, IDLE_TIMEOUT_S, "finish its work")
+                        wait_all(lambda idle: idle.is_set(), "finish its work", IDLE_TIMEOUT_S)
                     else:
                         go.set()
-                        _wait(lambda: not idle.is_set(), other, IDLE_TIMEOUT_S, "start computing")
+                        wait_all(lambda idle: not idle.is_set(), "start computing", IDLE_TIMEOUT_S)
                     p.steps.clear()
+                    cpu = time.thread_time()
                     if timed == "decode":
                         ids = p.import_batch(batch, prompt, phase, 20)
+                        cpu = time.thread_time()  # the import's untimed step left out
                         for _ in range(12):
                             p.timed_step()
+                        cpu = time.thread_time() - cpu
                         for req_id in ids:
                             p.engine.abort(req_id)
                     else:
                         p.engine.release(p.prompt_steps(context, "context_only"))
-                    seconds[condition] += [s.seconds for s in p.steps]
+                        cpu = time.thread_time() - cpu
+                    timings.wall[condition] += [s.seconds for s in p.steps]
+                    timings.cpu[condition].append(cpu / len(p.steps))
     finally:
         stop.set()
-        other.join(timeout=IDLE_TIMEOUT_S)
-        if other.is_alive():
-            other.kill()
-            other.join()
-    return seconds
+        for other in others:
+            other.join(timeout=IDLE_TIMEOUT_S)
+            if other.is_alive():
+                other.kill()
+                other.join()
+    return timings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,12 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     engine_dir = build_engine(a.root, a.preset, a.batch, a.context, 64)
     print(f"co-run on {a.preset}: {a.rounds} rounds, alone and beside, one BLAS thread per process", flush=True)
     decodes = f"decode steps (batch {a.batch}, {a.context}-token contexts)"
-    for timed, beside, what, doing in (("decode", "prefill", decodes, "prefilling"), ("decode", "memory", decodes, "memory-streaming"),
-                                       ("decode", "python", decodes, "Python-looping"),
-                                       ("prefill", "decode", f"prompt steps ({a.context} tokens)", "decoding")):
-        s = step_seconds(engine_dir, timed, a.context, a.batch, a.rounds, beside)
-        alone, near = (np.percentile(s[c], (50, 90)) for c in ("alone", "beside"))
-        print(f"  {what}, p50 / p90: alone {alone[0] * 1e3:.1f} / {alone[1] * 1e3:.1f} ms, beside a {doing} process "
+    for timed, beside, what, doing in (("decode", ("prefill",), decodes, "a prefilling process"),
+                                       ("decode", ("memory",), decodes, "a memory-streaming process"),
+                                       ("decode", ("python",), decodes, "a Python-looping process"),
+                                       ("prefill", ("decode",), f"prompt steps ({a.context} tokens)", "a decoding process"),
+                                       ("decode", ("prefill", "decode"), decodes, "a prefilling and a decoding process")):
+        t = step_seconds(engine_dir, timed, a.context, a.batch, a.rounds, beside)
+        alone, near = (np.percentile(t.wall[c], (50, 90)) for c in ("alone", "beside"))
+        cpu_alone, cpu_near = (float(np.mean(t.cpu[c])) for c in ("alone", "beside"))
+        print(f"  {what}, p50 / p90: alone {alone[0] * 1e3:.1f} / {alone[1] * 1e3:.1f} ms, beside {doing} "
               f"{near[0] * 1e3:.1f} / {near[1] * 1e3:.1f} ms: x{near[0] / alone[0]:.2f} / x{near[1] / alone[1]:.2f} "
-              f"({len(s['alone'])} / {len(s['beside'])} steps)", flush=True)
+              f"({len(t.wall['alone'])} / {len(t.wall['beside'])} steps); CPU per step {cpu_alone * 1e3:.1f} against "
+              f"{cpu_near * 1e3:.1f} ms: x{cpu_near / cpu_alone:.2f}", flush=True)
     return 0

@@ -102,6 +102,12 @@ class Planner:
         return Planner({**self.steps, **steps}, self.limits, self.handoff_s, self.hosts, self.requests, self.seconds,
                        {**self.latency_s, **(latency_s or {})})
 
+    def slower(self, factor: float) -> Planner:
+        """This planner on a machine running `factor` times slower: every step, and the front's CPU per token."""
+        hosts = {kind: replace(host, front_s_per_token=host.front_s_per_token * factor) for kind, host in self.hosts.items()}
+        return Planner({role: steps.slower(factor) for role, steps in self.steps.items()}, self.limits, self.handoff_s, hosts,
+                       self.requests, self.seconds, self.latency_s)
+
     def fitted(self) -> dict:
         """What its predictions rest on, as JSON: each role's steps, each kind's host and latency."""
         return {"steps": {role: asdict(steps) for role, steps in self.steps.items()},

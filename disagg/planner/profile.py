@@ -290,3 +290,45 @@ class Profiler:
                 prefilled[context] = self.prefilled(context)
             (self._decode_steps if kind == "decode" else self._mixed_steps)(batch, *prefilled[context])
         return fit(self.steps)
+
+
+class SpeedProbe:
+    """How fast this machine runs an engine now against when the probe was made: a prompt and a few decode steps
+    of a small batch, timed (the median of PROBE_ROUNDS), to be read between load runs while nothing else
+    computes. Here a decode step took 12% longer two hours after its profile, and one deployment's p50 TPOT
+    23-36% longer at the end of a 35-minute `splits` run than at its start: predictions made at the profile's
+    speed and checked against runs made at another check the machine, not the planner."""
+
+    def __init__(self, engine_dir: Path, context: int = 512, batch: int = 2):
+        with threadpool_limits(1, user_api="blas"):
+            self.profiler = Profiler(LLMEngine(engine_dir, skip_compute=skip_compute()))
+            self.context = min(context, self.profiler.build.max_input_len, self.profiler.build.max_seq_len - 2 * PROBE_STEPS - 2)
+            self.batch = min(batch, self.profiler.build.max_batch_size)
+            self.prompt, self.phase = self.profiler.prefilled(self.context)
+        self.reference = self.seconds()
+
+    def seconds(self) -> float:
+        """The probe's steps, timed now."""
+        with threadpool_limits(1, user_api="blas"):
+            return float(np.median([self._once() for _ in range(PROBE_ROUNDS)]))
+
+    def slowdown(self) -> float:
+        """Now against when the probe was made: 1.2 is a machine running 20% slower."""
+        return self.seconds() / self.reference
+
+    def _once(self) -> float:
+        p = self.profiler
+        p.steps.clear()
+        p.engine.release(p.prompt_steps(self.context, "context_only"))
+        ids = p.import_batch(self.batch, self.prompt, self.phase, 2 * PROBE_STEPS)
+        for _ in range(PROBE_STEPS):
+            p.timed_step()
+        for req_id in ids:
+            p.engine.abort(req_id)
+        seconds = sum(s.seconds for s in p.steps)
+        p.steps.clear()
+        return seconds
+
+
+PROBE_ROUNDS = 3
+PROBE_STEPS = 8
