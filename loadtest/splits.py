@@ -10,9 +10,11 @@ the planner's `Host` has them share). The rates are placed around the deployment
 predicted goodputs unless `--rates` gives them. Each deployment's measured goodput (the highest
 rate before the first whose attainment is under 90%) is printed beside the planner's prediction (`loadtest
 plan`'s profile, front cost, calibration and simulation, all measured just before the runs), and each run's
-measured p50 TTFT, p50 TPOT and attainment beside the planner's on that run's own requests, predicted at the
-machine's speed during the run (read before and after it with `SpeedProbe`, the decode engine's steps timed
-against their time at the profile: this machine's speed moved 30% within one such session). Then the
+measured p50 TTFT, p50 TPOT and attainment beside the planner's on that run's own requests, and how fast the
+machine ran an engine alone around the run against when it was profiled (`SpeedProbe`, read before and after
+it; printed, not applied: the machine read 5-10% faster between runs while the runs' steps took longer, and
+predictions scaled by it came within 20% of measured in fewer runs, p50 TPOT 3 of 15 against 6 of 15 unscaled,
+docs/measurements.md). Then the
 planner's choice, the measured best, and the choice's measured goodput as a share of the best; the best
 measured split beside aggregated x N, goodput and p95 ITL run for run (where disaggregation pays); and how many
 of the predicted p50 TTFT and TPOT came within 20% of measured: over all runs, and over those whose prediction
@@ -86,7 +88,7 @@ class Run:
     # How far the predicted p50 TTFT and TPOT move (fractions) on a machine SLOWER_STEP times slower
     sensitivity: tuple[float, float] = (float("nan"), float("nan"))
     itl_p95_ms: float = float("nan")  # measured only: the simulation times steps, not the gaps a client sees
-    slowdown: float = 1.0  # how much slower the machine ran than when profiled (SpeedProbe): predicted at that
+    slowdown: float = 1.0  # how much slower the machine ran an engine alone around the run than when profiled (SpeedProbe)
 
 
 # Near a deployment's capacity its queues grow with any shortfall: there a machine 5% slower moves a predicted
@@ -269,9 +271,8 @@ def run(a: argparse.Namespace) -> int:
             slowdown = (before + probe.slowdown()) / 2 if probe else 1.0
             samples = read_samples([samples_path])
             stats = run_stats(samples, slo)
-            now = planner.slower(slowdown)
-            pred = predicted_run(now, deployment, samples, traffic)
-            moved = predicted_run(now.slower(SLOWER_STEP), deployment, samples, traffic)
+            pred = predicted_run(planner, deployment, samples, traffic)
+            moved = predicted_run(planner.slower(SLOWER_STEP), deployment, samples, traffic)
             run = Run(rate, (stats.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
                       (stats.slo_attainment, pred.attainment if pred else 0.0),
                       (stats.tpot_ms["p50"] or 0.0, pred.tpot_p50_s * 1e3 if pred else float("nan")),
@@ -279,7 +280,7 @@ def run(a: argparse.Namespace) -> int:
                       if pred else (float("nan"), float("nan")),
                       stats.itl_ms["p95"] or float("nan"), slowdown)
             found.append(run)
-            print(f"[{name} at {rate:g} req/s{', again' if again else ''}] {_cell(run)}; the machine x{slowdown:.2f} "
+            print(f"[{name} at {rate:g} req/s{', again' if again else ''}] {_cell(run)}; an engine alone ran x{slowdown:.2f} "
                   "as slow as when profiled", flush=True)
         return found
 

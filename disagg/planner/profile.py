@@ -293,11 +293,11 @@ class Profiler:
 
 
 class SpeedProbe:
-    """How fast this machine runs an engine now against when the probe was made: a prompt and a few decode steps
-    of a small batch, timed (the median of PROBE_ROUNDS), to be read between load runs while nothing else
-    computes. Here a decode step took 12% longer two hours after its profile, and one deployment's p50 TPOT
-    23-36% longer at the end of a 35-minute `splits` run than at its start: predictions made at the profile's
-    speed and checked against runs made at another check the machine, not the planner."""
+    """How fast this machine runs an engine alone now against when the probe was made: a prompt and a few decode
+    steps of a small batch, timed (the median of PROBE_ROUNDS), read between load runs while nothing else
+    computes, so that a reader can tell a machine that drifted from a model that missed (here a decode step took
+    12% longer two hours after its profile). Alone only: what a step costs while other processes compute beside
+    it is another matter (docs/measurements.md)."""
 
     def __init__(self, engine_dir: Path, context: int = 512, batch: int = 2):
         with threadpool_limits(1, user_api="blas"):
