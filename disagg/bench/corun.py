@@ -6,14 +6,15 @@ bus processes share. This measures that assumption on the bench model: decode st
 generation-only sequences over imported contexts, as the decode role runs them) timed alone and while a
 second process prefills prompts back to back, streams through 64 MB of memory (as the processes that carry
 tokens touch theirs, on a smaller scale) or runs a Python loop that touches almost none; then whole-prompt
-steps alone and while the second process decodes; last, decode steps while two processes, one prefilling and
-one decoding, keep the two cores oversubscribed, as a split of three engine instances does here. Rounds
+steps alone and while the second process decodes; last, decode steps while two other processes keep the two
+cores oversubscribed, as a split of three engine instances does here: one prefilling and one decoding (prefill
+x2 + decode x1's or aggregated's mix), then two decoding (prefill x1 + decode x2's). Rounds
 alternate between the two conditions so that a drift in the machine's speed hits both; "alone" starts only
 once the other processes have finished the work they had begun. Printed as p50 and p90 of each condition:
 the slowdown comes in spells (decode steps beside a prefill have run x1.7 for one round of eight and x1.0-1.1
 in the others here), which a median alone would hide; and the CPU the timed thread spent per step, which the
 wall time exceeds once the cores are oversubscribed and which itself grows when the step is sliced (beside two
-busy engines here: x1.11 at batch 2 over 560-token contexts, x1.05 at batch 4 over 1024; beside one: x1.00-1.03).
+busy engines here: x1.05-1.18 from batch 1 to 4 over 540-1024-token contexts; beside one: x0.98-1.10).
 One BLAS thread per process, as the load tests serve.
 
     python -m disagg.bench corun                     # bench-100mb, batch 4 over 1024-token contexts
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                        ("decode", ("memory",), decodes, "a memory-streaming process"),
                                        ("decode", ("python",), decodes, "a Python-looping process"),
                                        ("prefill", ("decode",), f"prompt steps ({a.context} tokens)", "a decoding process"),
-                                       ("decode", ("prefill", "decode"), decodes, "a prefilling and a decoding process")):
+                                       ("decode", ("prefill", "decode"), decodes, "a prefilling and a decoding process"),
+                                       ("decode", ("decode", "decode"), decodes, "two decoding processes")):
         t = step_seconds(engine_dir, timed, a.context, a.batch, a.rounds, beside)
         alone, near = (np.percentile(t.wall[c], (50, 90)) for c in ("alone", "beside"))
         cpu_alone, cpu_near = (float(np.mean(t.cpu[c])) for c in ("alone", "beside"))
