@@ -263,16 +263,19 @@ def run(a: argparse.Namespace) -> int:
           f"at {', '.join(f'{r:g}' for r in rates)} req/s, {a.seconds:g} s each; SLO TTFT <= {slo.ttft_ms:g} ms, "
           f"TPOT <= {slo.tpot_ms:g} ms", flush=True)
 
+    slower = planner.slower(SLOWER_STEP)
+
     def measured(deployment: Deployment, kind: str, spec: DeploymentSpec, again: bool = False) -> list[Run]:
         name, found = str(deployment), []
+        before = probe.slowdown() if probe else 1.0
         for rate in rates:
-            before = probe.slowdown() if probe else 1.0
             samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, out / (_dir(deployment) + ("-again" if again else "")))
-            slowdown = (before + probe.slowdown()) / 2 if probe else 1.0
+            after = probe.slowdown() if probe else 1.0  # also the next run's reading before it: nothing runs in between
+            slowdown, before = (before + after) / 2, after
             samples = read_samples([samples_path])
             stats = run_stats(samples, slo)
             pred = predicted_run(planner, deployment, samples, traffic)
-            moved = predicted_run(planner.slower(SLOWER_STEP), deployment, samples, traffic)
+            moved = predicted_run(slower, deployment, samples, traffic)
             run = Run(rate, (stats.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
                       (stats.slo_attainment, pred.attainment if pred else 0.0),
                       (stats.tpot_ms["p50"] or 0.0, pred.tpot_p50_s * 1e3 if pred else float("nan")),

@@ -128,18 +128,16 @@ def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds:
                         go.set()
                         wait_all(lambda idle: not idle.is_set(), "start computing", IDLE_TIMEOUT_S)
                     p.steps.clear()
+                    ids = p.import_batch(batch, prompt, phase, 20) if timed == "decode" else []  # its step untimed
                     cpu = time.thread_time()
                     if timed == "decode":
-                        ids = p.import_batch(batch, prompt, phase, 20)
-                        cpu = time.thread_time()  # the import's untimed step left out
                         for _ in range(12):
                             p.timed_step()
-                        cpu = time.thread_time() - cpu
-                        for req_id in ids:
-                            p.engine.abort(req_id)
                     else:
                         p.engine.release(p.prompt_steps(context, "context_only"))
-                        cpu = time.thread_time() - cpu
+                    cpu = time.thread_time() - cpu
+                    for req_id in ids:
+                        p.engine.abort(req_id)
                     timings.wall[condition] += [s.seconds for s in p.steps]
                     timings.cpu[condition].append(cpu / len(p.steps))
     finally:
