@@ -47,7 +47,7 @@ from disagg.planner import profile as profile_module
 from disagg.planner.plan import Planner, Prediction, Traffic, predict
 from disagg.planner.profile import StepModel, profile_engine
 from disagg.planner.roofline import ACCELERATORS
-from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest
+from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrators, SimRequest
 from disagg.repository import role_models
 from disagg.spec import DeploymentSpec
 from loadtest import plan_gpus
@@ -96,6 +96,7 @@ FRONT_SECONDS = 5.0
 def hosts(spec: DeploymentSpec, out: Path, engines_on_cpu: bool = True) -> dict[str, Host]:
     """Each kind of deployment on this machine's cores, with its front's CPU per output token; `engines_on_cpu`
     False where the engines are GPU stand-ins, whose steps leave the cores to the front."""
+    from disagg.bench.corun import decode_interference
     from disagg.bench.front import measure
 
     print(f"plan: measuring the front's CPU per output token ({FRONT_STREAMS} streams, engines skipping compute)", flush=True)
@@ -104,7 +105,14 @@ def hosts(spec: DeploymentSpec, out: Path, engines_on_cpu: bool = True) -> dict[
     per_token = {r.path: front_s_per_token(r.cpu_ms_per_token, spec) for r in rows}
     print(f"plan: the front costs {per_token['ensemble'] * 1e3:.2f} ms of CPU per output token through the ensemble, "
           f"{per_token['aggregated'] * 1e3:.2f} ms through the aggregated one", flush=True)
-    return {kind: Host(cores, per_token[path], engines_on_cpu) for kind, path in (("disaggregated", "ensemble"), ("aggregated", "aggregated"))}
+    interference = 0.0
+    if engines_on_cpu:
+        ratio, interference = decode_interference(spec.engine_dir("decode"), cores)
+        print(f"plan: decode steps beside two other decoding processes took x{ratio:.2f} as long as alone, where sharing "
+              f"{cores} cores explains x{max(1.0, 3 / cores):.2f}: each other decoding engine slows a decode step by "
+              f"{interference:.0%}", flush=True)
+    return {kind: Host(cores, per_token[path], engines_on_cpu, interference)
+            for kind, path in (("disaggregated", "ensemble"), ("aggregated", "aggregated"))}
 
 
 def front_s_per_token(cpu_ms_per_token: dict[str, float], spec: DeploymentSpec) -> float:
@@ -256,6 +264,10 @@ def per_sequence_cost(planner: Planner, deployment: Deployment, role: str, sampl
     return hi, measured, at_hi
 
 
+def orchestrators_of(spec: DeploymentSpec) -> Orchestrators:
+    return Orchestrators(spec.orchestrator.instances, spec.orchestrator.max_in_flight)
+
+
 def limits_of(spec: DeploymentSpec) -> dict[str, EngineLimits]:
     return {name: EngineLimits(r.max_batch_size, r.max_num_tokens, r.enable_chunked_context, r.tokens_per_block)
             for name, r in spec.roles.items()}
@@ -387,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))
     shared = {} if a.no_host else hosts(spec, a.out / "front")
-    planner = Planner(profiles(spec), limits_of(spec), handoff(spec), shared)
+    planner = Planner(profiles(spec), limits_of(spec), handoff(spec), shared, orchestrators=orchestrators_of(spec))
     if not (a.no_host or a.no_calibration):
         planner = calibrated(planner, spec, workload_path, a.out / "calibration")
     for kind, host in shared.items():

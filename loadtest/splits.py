@@ -53,7 +53,7 @@ from disagg.planner.simulate import Deployment
 from disagg.spec import DeploymentSpec, load_spec
 from loadtest.compare import THREAD_ENV, check_fits, run_point
 from loadtest.crossover import length_variant
-from loadtest.plan import calibrated, handoff, hosts, limits_of, predicted_run, profiles, traffic_of
+from loadtest.plan import calibrated, handoff, hosts, limits_of, orchestrators_of, predicted_run, profiles, traffic_of
 from loadtest.report import Slo, highest_met_rate, run_stats
 from loadtest.samples import read_samples
 from loadtest.workload import Workload, workload_file, workload_variant
@@ -249,7 +249,8 @@ def run(a: argparse.Namespace) -> int:
         check_fits(spec, workload)
         build(spec, log=lambda line: print(f"build: {line}", flush=True))
     first = specs[1]
-    planner = Planner(profiles(first, again=True), limits_of(first), handoff(first), hosts(first, out / "front", engines_on_cpu=not a.stand_in))
+    planner = Planner(profiles(first, again=True), limits_of(first), handoff(first), hosts(first, out / "front", engines_on_cpu=not a.stand_in),
+                      orchestrators=orchestrators_of(first))
     probe = None if a.stand_in else SpeedProbe(first.engine_dir("decode"))  # a stand-in's steps sleep: their speed holds
     planner = calibrated(planner, first, workload_path, out / "calibration")
     traffic = traffic_of(workload, None, a.prompt_tokens)

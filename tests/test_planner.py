@@ -13,7 +13,7 @@ from disagg.cli import build
 from disagg.engine.no_compute import skipped_compute
 from disagg.planner.plan import Planner, Traffic, predict
 from disagg.planner.profile import PROBE_STEPS, DecodeTable, Linear, SpeedProbe, StepModel, Timed, fit, profile_engine
-from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, simulate
+from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrators, SimRequest, simulate
 from disagg.spec import load_spec
 from loadtest.compare import compare_spec
 from loadtest.plan import (
@@ -104,6 +104,22 @@ def test_aggregated_instances_take_requests_in_turn_and_decodes_go_to_the_least_
     assert split[2].token_times == pytest.approx([4.2 * MS, 5.2 * MS])
 
 
+def test_a_request_past_the_orchestrators_max_in_flight_waits_for_a_worker():
+    """Each orchestrator instance serves `max_in_flight` requests at once (a worker thread each); the next one
+    waits for a request to send its last token, and that wait is part of its TTFT. Triton hands the requests
+    to the instances in turn. Two requests at once, every step 1 ms, two aggregated instances."""
+    limits = {"aggregated": EngineLimits(8, 512, False, 16)}
+
+    def served(orchestrators: Orchestrators | None) -> list[float]:
+        reqs = [SimRequest(0.0, 16, 3), SimRequest(0.0, 16, 3)]
+        simulate(Deployment(aggregated=2), {"aggregated": FLAT}, limits, reqs, lambda n: 0.0, None, orchestrators)
+        return [t for r in reqs for t in r.token_times]
+
+    assert served(Orchestrators(instances=1, max_in_flight=1)) == pytest.approx([1 * MS, 2 * MS, 3 * MS, 4 * MS, 5 * MS, 6 * MS])
+    assert served(Orchestrators(instances=2, max_in_flight=1)) == pytest.approx([1 * MS, 2 * MS, 3 * MS] * 2)
+    assert served(None) == served(Orchestrators(instances=1, max_in_flight=2))
+
+
 def test_a_prompt_over_the_budget_waits_without_chunked_context():
     limits = {"prefill": EngineLimits(4, 100, False, 16), "decode": EngineLimits(8, 8, True, 16)}
     steps = {"prefill": FLAT, "decode": FLAT}
@@ -120,6 +136,20 @@ def test_on_a_shared_core_the_front_and_the_engine_take_turns():
     # each: the token reaches the client at 2 ms, step 2 ends at 2.5 ms; again for step 3 (3.5, 4.0); the
     # last token's front work runs alone: 4.5 ms.
     assert req.token_times == pytest.approx([2 * MS, 3.5 * MS, 4.5 * MS])
+
+
+def test_decode_steps_running_together_slow_each_other_beyond_sharing_the_cores():
+    """Two engines on two cores: prompt steps side by side keep their time, decode-only steps side by side take
+    `decode_interference` longer each (they stream the same memory); alone, a decode step keeps its time."""
+    limits = {"aggregated": EngineLimits(max_batch_size=4, max_num_tokens=32, chunked=True, tokens_per_block=16)}
+    host = Host(cores=2, front_s_per_token=0.0, decode_interference=0.25)
+    pair = [SimRequest(0.0, prompt=16, output=3), SimRequest(0.0, prompt=16, output=3)]
+    simulate(Deployment(aggregated=2), {"aggregated": FLAT}, limits, pair, lambda n: 0.0, host)
+    for req in pair:
+        assert req.token_times == pytest.approx([1 * MS, 2.25 * MS, 3.5 * MS])
+    alone = SimRequest(0.0, prompt=16, output=3)
+    simulate(Deployment(aggregated=2), {"aggregated": FLAT}, limits, [alone], lambda n: 0.0, host)
+    assert alone.token_times == pytest.approx([1 * MS, 2 * MS, 3 * MS])
 
 
 def test_engines_off_the_cpu_leave_the_front_its_cores():
@@ -347,8 +377,9 @@ def test_a_fitted_planner_is_written_whole_and_its_steps_read_back_as_fitted():
     planner = Planner({"decode": fitted}, {}, lambda n: 0.0, {"disaggregated": Host(2, 2.3 * MS)}, latency_s={"disaggregated": 0.09})
     state = json.loads(json.dumps(planner.fitted()))
     assert StepModel.from_dict(state["steps"]["decode"]) == fitted
-    assert state["hosts"] == {"disaggregated": {"cores": 2, "front_s_per_token": 2.3 * MS, "engines_on_cpu": True}}
+    assert state["hosts"] == {"disaggregated": {"cores": 2, "front_s_per_token": 2.3 * MS, "engines_on_cpu": True, "decode_interference": 0.0}}
     assert state["latency_s"] == {"disaggregated": 0.09}
+    assert state["orchestrators"] is None
 
 
 def test_a_deployment_s_latency_delays_its_tokens_and_holds_no_engine():

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from disagg.planner.profile import StepModel
-from disagg.planner.simulate import Deployment, EngineLimits, Host, SimRequest, poisson_requests, simulate
+from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrators, SimRequest, poisson_requests, simulate
 
 ATTAINMENT_TARGET = 0.9  # DistServe's goodput: the highest rate at which 90% of requests meet both SLOs
 SIMULATED_REQUESTS = 300
@@ -89,36 +89,38 @@ class Planner:
     per token (None: engines alone, no front). `latency_s`: per kind, how much later than simulated each token
     reaches its client (the hops around the engines, which take no engine's time; calibration measures it).
     `requests` and `seconds`: each simulated run sends as many requests as arrive in that long at its rate, at
-    least `requests`."""
+    least `requests`. `orchestrators`: how many requests the front lets through to the engines at once (None:
+    every one)."""
 
     def __init__(self, steps: dict[str, StepModel], limits: dict[str, EngineLimits], handoff_s: Callable[[int], float],
                  hosts: dict[str, Host] | None = None, requests: int = SIMULATED_REQUESTS, seconds: float = SIMULATED_SECONDS,
-                 latency_s: dict[str, float] | None = None):
+                 latency_s: dict[str, float] | None = None, orchestrators: Orchestrators | None = None):
         self.steps, self.limits, self.handoff_s, self.hosts = steps, limits, handoff_s, hosts or {}
-        self.requests, self.seconds, self.latency_s = requests, seconds, latency_s or {}
+        self.requests, self.seconds, self.latency_s, self.orchestrators = requests, seconds, latency_s or {}, orchestrators
 
     def adjusted(self, steps: dict[str, StepModel], latency_s: dict[str, float] | None = None) -> Planner:
         """This planner with the given roles' steps, and kinds' latencies, replaced."""
         return Planner({**self.steps, **steps}, self.limits, self.handoff_s, self.hosts, self.requests, self.seconds,
-                       {**self.latency_s, **(latency_s or {})})
+                       {**self.latency_s, **(latency_s or {})}, self.orchestrators)
 
     def slower(self, factor: float) -> Planner:
         """This planner on a machine running `factor` times slower: every step, and the front's CPU per token."""
         hosts = {kind: replace(host, front_s_per_token=host.front_s_per_token * factor) for kind, host in self.hosts.items()}
         return Planner({role: steps.slower(factor) for role, steps in self.steps.items()}, self.limits, self.handoff_s, hosts,
-                       self.requests, self.seconds, self.latency_s)
+                       self.requests, self.seconds, self.latency_s, self.orchestrators)
 
     def fitted(self) -> dict:
-        """What its predictions rest on, as JSON: each role's steps, each kind's host and latency."""
+        """What its predictions rest on, as JSON: each role's steps, each kind's host and latency, the orchestrators."""
         return {"steps": {role: asdict(steps) for role, steps in self.steps.items()},
-                "hosts": {kind: asdict(host) for kind, host in self.hosts.items()}, "latency_s": self.latency_s}
+                "hosts": {kind: asdict(host) for kind, host in self.hosts.items()}, "latency_s": self.latency_s,
+                "orchestrators": asdict(self.orchestrators) if self.orchestrators else None}
 
     def replay(self, deployment: Deployment, requests: list[SimRequest], decode_batch: int | None = None) -> list[SimRequest]:
         """Given requests (a measured run's, say) through the deployment, with decode's batch limit if given."""
         limits = self.limits
         if decode_batch is not None:
             limits = {**limits, "decode": replace(limits["decode"], max_batch_size=decode_batch)}
-        served = simulate(deployment, self.steps, limits, requests, self.handoff_s, self.hosts.get(deployment.kind))
+        served = simulate(deployment, self.steps, limits, requests, self.handoff_s, self.hosts.get(deployment.kind), self.orchestrators)
         latency = self.latency_s.get(deployment.kind, 0.0)
         if latency:
             for request in served:

@@ -16,10 +16,15 @@ With a `Host`, the CPU is shared. Every token then passes through the front (tok
 detokenizing, streaming, the load generator) at `front_s_per_token` of CPU before its client sees it, in
 order, and engines that compute on the CPU (the reference engine) run their steps on the same cores: the
 runnable work shares them as Linux shares cores between runnable threads (a step as many cores as its
-engine keeps busy, `StepModel.cpu_per_wall`; the front up to `FRONT_THREADS`). Without one, engines have
+engine keeps busy, `StepModel.cpu_per_wall`; the front up to `FRONT_THREADS`), and steps that only decode
+slow each other beyond that (`Host.decode_interference`: three decoding processes on two cores here took
+x2.1 their time alone, not the x1.5 that sharing explains). Without one, engines have
 the machine to themselves and tokens arrive as their step ends, as on GPUs with a host whose cores are
-not the limit. Not modelled: the KV pool's capacity (a
-sequence is admitted whatever its blocks) and network hops.
+not the limit. Requests pass the orchestrator first (`Orchestrators`): each instance serves at most
+`max_in_flight` at once, one per worker thread, and the rest wait in its queue until a request it serves
+has sent its last token; past that many, the wait is part of TTFT, and the engines hold fewer requests than
+have arrived. Not modelled: the KV pool's capacity (a sequence is admitted whatever its blocks) and network
+hops.
 """
 from __future__ import annotations
 
@@ -47,11 +52,23 @@ FRONT_THREADS = 4.0  # the processes a token crosses: orchestrator, main tritons
 @dataclass(frozen=True)
 class Host:
     """The CPU a deployment runs on: its `cores`, the front's CPU per output token, and whether the engines'
-    steps run on those cores too (the reference engine) or on accelerators."""
+    steps run on those cores too (the reference engine) or on accelerators. `decode_interference`: how much
+    longer a step that only decodes takes for each other engine decoding at the same time, beyond sharing the
+    cores (decode steps stream every weight from memory; measured by loadtest.plan.hosts)."""
 
     cores: float
     front_s_per_token: float
     engines_on_cpu: bool = True
+    decode_interference: float = 0.0
+
+
+@dataclass(frozen=True)
+class Orchestrators:
+    """The orchestrator's `instances` (Triton hands a decoupled model's requests to them in turn) and the
+    requests each serves at once (`max_in_flight`, disagg.triton.orchestrator's worker threads)."""
+
+    instances: int
+    max_in_flight: int
 
 
 @dataclass
@@ -128,6 +145,11 @@ class SimEngine:
                                  sum(size for _, size in self._chunks),
                                  sum(size * (seq.cached + (size + 1) / 2) for seq, size in self._chunks))
 
+    @property
+    def decoding_only(self) -> bool:
+        """The planned step computes no prompt token."""
+        return not self._chunks
+
     def finish_step(self) -> tuple[list[SimRequest], list[SimRequest]]:
         """Applies the planned step: the requests that got a token, and those whose context phase ended here
         (to hand off, for a context-only engine)."""
@@ -171,11 +193,12 @@ class Deployment:
 
 
 class _Cpu:
-    """Work sharing `cores`: each job runs at its fair share, at most `threads` cores (water-filling).
-    Jobs are [remaining seconds of one core, threads, on_done(now)]."""
+    """Work sharing `cores`: each job runs at its fair share, at most `threads` cores (water-filling), a decode
+    step slower by `interference` for each other decode step running. Jobs are [remaining seconds of one core,
+    threads, on_done(now), whether it is a decode step]."""
 
-    def __init__(self, cores: float):
-        self.cores = cores
+    def __init__(self, cores: float, interference: float = 0.0):
+        self.cores, self.interference = cores, interference
         self.jobs: list[list] = []
 
     def rates(self) -> list[float]:
@@ -184,7 +207,8 @@ class _Cpu:
         for k, i in enumerate(order):
             rates[i] = min(self.jobs[i][1], left / (len(order) - k))
             left -= rates[i]
-        return rates
+        slowed = 1.0 + self.interference * (sum(job[3] for job in self.jobs) - 1)
+        return [rate / slowed if job[3] else rate for job, rate in zip(self.jobs, rates)]
 
     def run(self, now: float, until: float) -> tuple[float, list]:
         """Runs the jobs from `now` until the first of them ends or `until`, whichever comes first (shares
@@ -203,43 +227,73 @@ class _Cpu:
 class _Front:
     """Streams tokens to clients in the order they were computed, at `s_per_token` of CPU each."""
 
-    def __init__(self, cpu: _Cpu, s_per_token: float):
-        self.cpu, self.s_per_token = cpu, s_per_token
+    def __init__(self, cpu: _Cpu, s_per_token: float, on_last: Callable[[SimRequest, float], None]):
+        self.cpu, self.s_per_token, self.on_last = cpu, s_per_token, on_last
         self.queue: deque[list[SimRequest]] = deque()
 
     def send(self, reqs: list[SimRequest], now: float) -> None:
         if not self.s_per_token:
-            for req in reqs:
-                req.token_times.append(now)
+            self._deliver(reqs, now)
             return
         self.queue.append(reqs)
         if len(self.queue) == 1:
             self._start()
 
     def _start(self) -> None:
-        self.cpu.jobs.append([self.s_per_token * len(self.queue[0]), FRONT_THREADS, self._sent])
+        self.cpu.jobs.append([self.s_per_token * len(self.queue[0]), FRONT_THREADS, self._sent, False])
 
     def _sent(self, now: float) -> None:
-        for req in self.queue.popleft():
-            req.token_times.append(now)
+        self._deliver(self.queue.popleft(), now)
         if self.queue:
             self._start()
 
+    def _deliver(self, reqs: list[SimRequest], now: float) -> None:
+        for req in reqs:
+            req.token_times.append(now)
+            if len(req.token_times) == req.output:
+                self.on_last(req, now)
+
 
 def simulate(deployment: Deployment, steps: dict[str, StepModel], limits: dict[str, EngineLimits],
-             requests: list[SimRequest], handoff_s: Callable[[int], float], host: Host | None = None) -> list[SimRequest]:
+             requests: list[SimRequest], handoff_s: Callable[[int], float], host: Host | None = None,
+             orchestrators: Orchestrators | None = None) -> list[SimRequest]:
     """Runs `requests` (arrival order) through the deployment; returns them with the times their client
-    saw each token."""
+    saw each token. Without `orchestrators`, every request reaches the engines as it arrives."""
     if deployment.aggregated:
         fronts = [SimEngine("context_and_generation", steps["aggregated"], limits["aggregated"]) for _ in range(deployment.aggregated)]
         backs: list[SimEngine] = []
     else:
         fronts = [SimEngine("context_only", steps["prefill"], limits["prefill"]) for _ in range(deployment.prefill)]
         backs = [SimEngine("generation_only", steps["decode"], limits["decode"]) for _ in range(deployment.decode)]
-    cpu = _Cpu(host.cores if host else float("inf"))
-    front = _Front(cpu, host.front_s_per_token if host else 0.0)
+    cpu = _Cpu(host.cores, host.decode_interference) if host else _Cpu(float("inf"))
+    orch = orchestrators or Orchestrators(1, len(requests) or 1)
+    serving, queued = [0] * orch.instances, [deque() for _ in range(orch.instances)]
+    served_by: dict[int, int] = {}  # id(request) -> the orchestrator instance serving it
     events: list[tuple[float, int, str, object]] = []
     order = 0
+    arrived = sent = 0
+
+    def serve(req: SimRequest, now: float) -> None:
+        """The orchestrator's worker sends the request to an engine."""
+        nonlocal sent
+        if deployment.aggregated:  # Triton's instances, in turn
+            engine, sent = fronts[sent % len(fronts)], sent + 1
+        else:  # the orchestrator's choice, the least loaded
+            engine = min(fronts, key=lambda e: e.load)
+        engine.add(req)
+        kick(engine, now)
+
+    def last_token(req: SimRequest, now: float) -> None:
+        """Its worker is free: the next request in that orchestrator's queue takes it."""
+        k = served_by.pop(id(req))
+        if queued[k]:
+            nxt = queued[k].popleft()
+            served_by[id(nxt)] = k
+            serve(nxt, now)
+        else:
+            serving[k] -= 1
+
+    front = _Front(cpu, host.front_s_per_token if host else 0.0, last_token)
 
     def push(t: float, kind: str, what: object) -> None:
         nonlocal order
@@ -260,13 +314,13 @@ def simulate(deployment: Deployment, steps: dict[str, StepModel], limits: dict[s
                 return
             if host and host.engines_on_cpu:  # alone, it ends after `duration`
                 busy = engine.steps.cpu_per_wall
-                cpu.jobs.append([duration * busy, busy, lambda t: finished(engine, t)])
+                cpu.jobs.append([duration * busy, busy, lambda t: finished(engine, t), engine.decoding_only])
             else:
                 push(now + duration, "step", engine)
 
     for req in requests:
         push(req.arrival, "arrive", req)
-    now, arrived = 0.0, 0
+    now = 0.0
     while events or cpu.jobs:
         now, done = cpu.run(now, events[0][0] if events else float("inf"))
         for on_done in done:
@@ -275,11 +329,16 @@ def simulate(deployment: Deployment, steps: dict[str, StepModel], limits: dict[s
             _, _, kind, what = heapq.heappop(events)
             if kind == "step":
                 finished(what, now)
-            else:
-                if kind == "arrive" and deployment.aggregated:  # Triton's instances, in turn
-                    engine, arrived = fronts[arrived % len(fronts)], arrived + 1
-                else:  # the orchestrator's choice, the least loaded
-                    engine = min(fronts if kind == "arrive" else backs, key=lambda e: e.load)
+            elif kind == "arrive":  # to the orchestrator instances in turn
+                k, arrived = arrived % orch.instances, arrived + 1
+                if serving[k] < orch.max_in_flight:
+                    serving[k] += 1
+                    served_by[id(what)] = k
+                    serve(what, now)
+                else:
+                    queued[k].append(what)
+            else:  # a handoff, to the least loaded decode instance
+                engine = min(backs, key=lambda e: e.load)
                 engine.add(what)
                 kick(engine, now)
     return requests
