@@ -130,12 +130,16 @@ CALIBRATION_REQUESTS = 10
 CALIBRATION_BATCH = 24  # requests sent at once: decode batches about as large as the workloads' rates build here
 CALIBRATION_PROMPT_TOKENS = 32  # their prompts, short: the batch forms at once and its steps decode, as under load
 MAX_PER_SEQUENCE_S = 0.05  # where the search for the cost per generating sequence gives up
+LOAD_REQUESTS = 40  # the calibration run at load: a Poisson process of this many requests
+LOAD_SHARE = 0.5  # at this share of the deployment's predicted goodput, where queues stay short
+MAX_DECODE_FACTOR = 2.0  # where the search for the factor on decode work gives up
 MEASURABLE_TICKS = 50  # a role's steps must last this many CPU-clock ticks for its CPU share to be read within 4%
 
 
 def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path) -> Planner:
     """The planner fitted to what serving adds to the profiled steps here and now, for each deployment as `spec`
-    serves it (`deployment_of`: its instances of each role, a fresh server per run), in two runs of the workload's requests.
+    serves it (`deployment_of`: its instances of each role, a fresh server per run), in two runs of the workload's requests
+    and, where the engines share the cores with the front, a third at load (`_fitted_at_load`).
 
     First a few requests, one at a time, against the same requests simulated one by one. The median of
     measured minus predicted TTFT becomes the deployment's latency (`Planner.latency_s`: the hops between
@@ -175,7 +179,28 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
         print(f"plan: calibration, {kind}: {len(together)} requests sent at once served with median TPOT {_ms(measured)} ms "
               f"against {_ms(simulated)} ms simulated: the {decode_role} engine's steps take {per_sequence * 1e3:.2f} ms more "
               "for each generating sequence after the first", flush=True)
+        host = planner.hosts.get(kind)
+        if host is not None and host.engines_on_cpu:
+            planner = _fitted_at_load(planner, spec, workload_path, out, kind, deployment, decode_role)
     return planner
+
+
+def _fitted_at_load(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path, kind: str,
+                    deployment: Deployment, decode_role: str) -> Planner:
+    """`calibrated`'s last run, where the engines share the cores: LOAD_REQUESTS of the workload's requests arriving
+    as a Poisson process at LOAD_SHARE of the goodput predicted so far, and the factor on the decode role's decode
+    work that makes their median simulated TPOT the measured one. Served beside prompts and the front, decode steps
+    run slower than alone and prompt steps do not: replayed, the saved `loadtest splits` runs needed decode work
+    x1.1-1.2 and their prompts as profiled (docs/measurements.md)."""
+    traffic = traffic_of(load_workload(workload_path))
+    rate = round(LOAD_SHARE * planner.goodput(deployment, traffic), 2)
+    path, loaded = workload_variant(workload_path, out, "calibration-load", max_requests=LOAD_REQUESTS,
+                                    duration_s=LOAD_REQUESTS / rate + 30.0, arrival={"rate": rate})
+    samples_path, _ = run_point(kind, rate, spec, str(path), loaded, out)
+    factor, measured, simulated = decode_factor(planner, deployment, decode_role, read_samples([samples_path]))
+    print(f"plan: calibration, {kind}: {LOAD_REQUESTS} requests at {rate:g} req/s served with median TPOT {_ms(measured)} ms "
+          f"against {_ms(simulated)} ms simulated with the {decode_role} engine's decode work x{factor:.2f}", flush=True)
+    return planner.adjusted({decode_role: planner.steps[decode_role].decode_scaled(factor)})
 
 
 def deployment_of(spec: DeploymentSpec, kind: str) -> Deployment:
@@ -232,36 +257,59 @@ def _fitted_alone(planner: Planner, spec: DeploymentSpec, workload: tuple[Path, 
 
 def per_sequence_cost(planner: Planner, deployment: Deployment, role: str, samples: list[Sample]) -> tuple[float, float, float]:
     """The cost per generating sequence after the first, in `role`'s steps, that makes the median simulated
-    TPOT of `samples` (a run's requests, replayed together) the measured one, by bisection: a longer step
-    never shortens a TPOT. Never below 0: what serving adds does not make steps faster than the engine alone
-    (a batch served faster than simulated keeps 0). Returns it with the measured and simulated medians."""
+    TPOT of `samples` (a run's requests, replayed together) the measured one. Never below 0: what serving adds
+    does not make steps faster than the engine alone (a batch served faster than simulated keeps 0). Returns it
+    with the measured and simulated medians."""
+    measured, simulated = _tpot_against(planner, deployment, samples,
+                                        lambda cost: {role: replace(planner.steps[role], per_sequence_s=cost)})
+    cost, at = _bisected(simulated, measured, 0.0, MAX_PER_SEQUENCE_S, 1e-6)
+    if at < measured:
+        raise SystemExit(f"error: calibration: {deployment}'s batch served with median TPOT {_ms(measured)} ms, slower than "
+                         f"simulated even with {_ms(MAX_PER_SEQUENCE_S)} ms more per sequence and step: is the machine busy with other work?")
+    return cost, measured, at
+
+
+def decode_factor(planner: Planner, deployment: Deployment, role: str, samples: list[Sample]) -> tuple[float, float, float]:
+    """The factor on `role`'s decode work that makes the median simulated TPOT of `samples` (a run at load,
+    replayed) the measured one, within 1/MAX_DECODE_FACTOR and MAX_DECODE_FACTOR. Returns it with the measured
+    and simulated medians (which differ where the factor is at a bound)."""
+    measured, simulated = _tpot_against(planner, deployment, samples, lambda f: {role: planner.steps[role].decode_scaled(f)})
+    factor, at = _bisected(simulated, measured, 1 / MAX_DECODE_FACTOR, MAX_DECODE_FACTOR, 1e-3)
+    return factor, measured, at
+
+
+def _tpot_against(planner: Planner, deployment: Deployment, samples: list[Sample], steps_at) -> tuple[float, object]:
+    """A run's median measured TPOT, and the median simulated one as a function of x, with the planner's steps
+    changed by `steps_at(x)` (a mapping of roles to StepModels)."""
     ordered = sorted(samples, key=lambda s: s.t_send)
     finished = [i for i, s in enumerate(ordered) if s.ok and s.tpot]
     if not finished:
-        raise SystemExit(f"error: calibration: no request of the batch completed with two tokens or more ({deployment})")
-    measured = float(np.median([ordered[i].tpot for i in finished]))
+        raise SystemExit(f"error: calibration: no request of the run completed with two tokens or more ({deployment})")
 
-    def simulated(per_sequence: float) -> float:
-        trial = planner.adjusted({role: replace(planner.steps[role], per_sequence_s=per_sequence)})
-        served = trial.replay(deployment, replayed(ordered))
+    def simulated(x: float) -> float:
+        served = planner.adjusted(steps_at(x)).replay(deployment, replayed(ordered))
         return float(np.median([served[i].tpot or 0.0 for i in finished]))
 
-    lo, hi = 0.0, MAX_PER_SEQUENCE_S
-    at_zero = simulated(lo)
-    if at_zero >= measured:
-        return lo, measured, at_zero
+    return float(np.median([ordered[i].tpot for i in finished])), simulated
+
+
+def _bisected(simulated, measured: float, lo: float, hi: float, tolerance: float) -> tuple[float, float]:
+    """The least x in [lo, hi] whose `simulated(x)` (a longer step never shortens a TPOT) reaches `measured`, with
+    simulated(x): lo if simulated(lo) already does, hi if simulated(hi) does not."""
+    at_lo = simulated(lo)
+    if at_lo >= measured:
+        return lo, at_lo
     at_hi = simulated(hi)
     if at_hi < measured:
-        raise SystemExit(f"error: calibration: {deployment}'s batch served with median TPOT {_ms(measured)} ms, slower than "
-                         f"simulated even with {_ms(hi)} ms more per sequence and step: is the machine busy with other work?")
-    while hi - lo > 1e-6:
+        return hi, at_hi
+    while hi - lo > tolerance:
         mid = (lo + hi) / 2
         at_mid = simulated(mid)
         if at_mid < measured:
             lo = mid
         else:
             hi, at_hi = mid, at_mid
-    return hi, measured, at_hi
+    return hi, at_hi
 
 
 def orchestrators_of(spec: DeploymentSpec) -> Orchestrators:

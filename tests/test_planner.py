@@ -17,7 +17,7 @@ from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrator
 from disagg.spec import load_spec
 from loadtest.compare import compare_spec
 from loadtest.plan import (
-    CALIBRATION_REQUESTS, calibrated, check, deployment_of, front_s_per_token, limits_of, per_sequence_cost, predicted_run, profiles, replayed, traffic_of,
+    CALIBRATION_REQUESTS, calibrated, check, decode_factor, deployment_of, front_s_per_token, limits_of, per_sequence_cost, predicted_run, profiles, replayed, traffic_of,
 )
 from loadtest.splits import split_spec
 from loadtest.samples import Sample, read_samples
@@ -369,6 +369,24 @@ def test_calibration_finds_the_cost_per_sequence_a_batch_was_served_with():
     assert measured == pytest.approx(np.median([r.tpot for r in batch]))
     slower = Planner({"aggregated": StepModel(DecodeTable((1,), (4 * MS,), (0.0,)), Linear(4 * MS, 0.0, 0.0), 0.0)}, limits, lambda n: 0.0)
     assert per_sequence_cost(slower, Deployment(aggregated=1), "aggregated", samples)[0] == 0.0  # served faster: no negative cost
+
+
+def test_calibration_at_load_finds_the_factor_decode_work_was_served_with():
+    """Requests arriving one after another on two cores shared with a prefill engine, served (here: simulated) with
+    decode work x1.3 and prompts as profiled; from their token times alone the search finds x1.3 again, and a
+    planner whose decode work is already that slow finds x1."""
+    limits = {"prefill": EngineLimits(4, 512, False, 16), "decode": EngineLimits(8, 64, True, 16)}
+    steps = {"prefill": StepModel(DecodeTable((1,), (1 * MS,), (0.0,)), Linear(2 * MS, 0.05 * MS, 0.0), 0.0), "decode": FLAT}
+    host = {"disaggregated": Host(cores=2, front_s_per_token=0.2 * MS)}
+    deployment = Deployment(prefill=1, decode=1)
+    truth = Planner({**steps, "decode": FLAT.decode_scaled(1.3)}, limits, lambda n: 0.0, host)
+    served = truth.replay(deployment, [SimRequest(0.02 * i, 64, 12 + i % 5) for i in range(20)])
+    samples = [Sample("ensemble", i, 64, r.output, False, None, 20, None, 0.0, 50.0 + r.arrival, tuple(50.0 + t for t in r.token_times),
+                      (1,) * r.output, 50.0 + r.token_times[-1]) for i, r in enumerate(served)]
+    factor, measured, simulated = decode_factor(Planner(steps, limits, lambda n: 0.0, host), deployment, "decode", samples)
+    assert factor == pytest.approx(1.3, abs=0.01)
+    assert simulated == pytest.approx(measured, rel=0.01)
+    assert decode_factor(truth, deployment, "decode", samples)[0] == pytest.approx(1.0, abs=0.01)
 
 
 def test_a_fitted_planner_is_written_whole_and_its_steps_read_back_as_fitted():

@@ -112,12 +112,17 @@ class StepModel:
         base = tuple(max(v + seconds, 0.1 * v) for v in d.base_s)
         return replace(self, decode=DecodeTable(d.batches, base, d.per_attended_s))
 
+    def decode_scaled(self, factor: float) -> StepModel:
+        """Decode work `factor` times as long (steps that only decode, and the decodes beside a prompt's tokens);
+        the prompt's work as it was."""
+        d = self.decode
+        return replace(self, decode=DecodeTable(d.batches, tuple(v * factor for v in d.base_s), tuple(v * factor for v in d.per_attended_s)),
+                       per_sequence_s=self.per_sequence_s * factor)
+
     def slower(self, factor: float) -> StepModel:
         """Every step `factor` times as long: the same engine on a machine running that much slower."""
-        d, q = self.decode, self.prompt
-        return replace(self, decode=DecodeTable(d.batches, tuple(v * factor for v in d.base_s), tuple(v * factor for v in d.per_attended_s)),
-                       prompt=Linear(q.base_s * factor, q.per_token_s * factor, q.per_attended_s * factor),
-                       per_sequence_s=self.per_sequence_s * factor)
+        q = self.prompt
+        return replace(self.decode_scaled(factor), prompt=Linear(q.base_s * factor, q.per_token_s * factor, q.per_attended_s * factor))
 
     @classmethod
     def from_dict(cls, raw: dict) -> StepModel:
