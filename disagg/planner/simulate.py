@@ -18,7 +18,7 @@ order, and engines that compute on the CPU (the reference engine) run their step
 runnable work shares them as Linux shares cores between runnable threads (a step as many cores as its
 engine keeps busy, `StepModel.cpu_per_wall`; the front up to `FRONT_THREADS`), and steps that only decode
 slow each other beyond that (`Host.decode_interference`: three decoding processes on two cores here took
-x1.62 their time alone, where sharing explains x1.5). Without one, engines have
+x1.62-1.94 their time alone, where sharing explains x1.5). Without one, engines have
 the machine to themselves and tokens arrive as their step ends, as on GPUs with a host whose cores are
 not the limit. Requests pass the orchestrator first (`Orchestrators`): each instance serves at most
 `max_in_flight` at once, one per worker thread, and the rest wait in its queue until a request it serves
