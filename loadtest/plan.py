@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -133,6 +134,7 @@ MAX_PER_SEQUENCE_S = 0.05  # where the search for the cost per generating sequen
 LOAD_REQUESTS = 60  # the calibration run at load: a Poisson process of this many requests
 LOAD_SHARE = 1.0  # at this share of the deployment's goodput as predicted before it
 MAX_DECODE_FACTOR = 2.0  # where the search for the factor on decode work gives up
+MIN_LOAD_RATE = 0.1  # req/s: below it LOAD_REQUESTS would take over ten minutes
 MEASURABLE_TICKS = 50  # a role's steps must last this many CPU-clock ticks for its CPU share to be read within 4%
 
 
@@ -197,6 +199,10 @@ def _fitted_at_load(planner: Planner, spec: DeploymentSpec, workload_path: Path,
     a calibration run at half (one `splits` run) found x0.88 and x1.02 (docs/measurements.md)."""
     traffic = traffic_of(load_workload(workload_path))
     rate = round(LOAD_SHARE * planner.goodput(deployment, traffic), 2)
+    if rate < MIN_LOAD_RATE:
+        print(f"plan: calibration, {kind}: predicted to sustain under {MIN_LOAD_RATE:g} req/s within the SLOs; its decode "
+              "work is not calibrated at load", flush=True)
+        return planner
     path, loaded = workload_variant(workload_path, out, "calibration-load", max_requests=LOAD_REQUESTS,
                                     duration_s=LOAD_REQUESTS / rate + 30.0, arrival={"rate": rate})
     samples_path, _ = run_point(kind, rate, spec, str(path), loaded, out)
@@ -281,7 +287,8 @@ def decode_factor(planner: Planner, deployment: Deployment, role: str, samples: 
     return factor, measured, at
 
 
-def _tpot_against(planner: Planner, deployment: Deployment, samples: list[Sample], steps_at) -> tuple[float, object]:
+def _tpot_against(planner: Planner, deployment: Deployment, samples: list[Sample],
+                  steps_at: Callable[[float], dict[str, StepModel]]) -> tuple[float, Callable[[float], float]]:
     """A run's median measured TPOT, and the median simulated one as a function of x, with the planner's steps
     changed by `steps_at(x)` (a mapping of roles to StepModels)."""
     ordered = sorted(samples, key=lambda s: s.t_send)
@@ -296,7 +303,7 @@ def _tpot_against(planner: Planner, deployment: Deployment, samples: list[Sample
     return float(np.median([ordered[i].tpot for i in finished])), simulated
 
 
-def _bisected(simulated, measured: float, lo: float, hi: float, tolerance: float) -> tuple[float, float]:
+def _bisected(simulated: Callable[[float], float], measured: float, lo: float, hi: float, tolerance: float) -> tuple[float, float]:
     """The least x in [lo, hi] whose `simulated(x)` (a longer step never shortens a TPOT) reaches `measured`, with
     simulated(x): lo if simulated(lo) already does, hi if simulated(hi) does not."""
     at_lo = simulated(lo)
