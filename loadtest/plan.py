@@ -108,9 +108,9 @@ def hosts(spec: DeploymentSpec, out: Path, engines_on_cpu: bool = True) -> dict[
           f"{per_token['aggregated'] * 1e3:.2f} ms through the aggregated one", flush=True)
     interference = 0.0
     if engines_on_cpu:
-        ratio, interference = decode_interference(spec.engine_dir("decode"), cores)
+        ratio, shared, interference = decode_interference(spec.engine_dir("decode"), cores)
         print(f"plan: decode steps beside two other decoding processes took x{ratio:.2f} as long as alone, where sharing "
-              f"{cores} cores explains x{max(1.0, 3 / cores):.2f}: each other decoding engine slows a decode step by "
+              f"{cores} cores explains x{shared:.2f}: each other decoding engine slows a decode step by "
               f"{interference:.0%}", flush=True)
     return {kind: Host(cores, per_token[path], engines_on_cpu, interference)
             for kind, path in (("disaggregated", "ensemble"), ("aggregated", "aggregated"))}

@@ -150,14 +150,17 @@ def step_seconds(engine_dir: Path, timed: str, context: int, batch: int, rounds:
     return timings
 
 
-def decode_interference(engine_dir: Path, cores: int, context: int = 512, batch: int = 4, rounds: int = 6) -> tuple[float, float]:
+def decode_interference(engine_dir: Path, cores: int, context: int = 512, batch: int = 4, rounds: int = 6) -> tuple[float, float, float]:
     """What the planner's `Host.decode_interference` stands for, measured: decode steps timed alone and beside two
-    other decoding processes; the ratio of their p50 wall times, and how much of it sharing the cores between three
-    does not explain, per other process (at least 0). Here x1.62, x1.91 and x1.94 in three readings (batch 4,
-    512-token contexts) where two cores shared by three explain x1.5: 4-15% each."""
-    t = step_seconds(engine_dir, "decode", context, batch, rounds, ("decode", "decode"))
+    other decoding processes. Returns the ratio of their p50 wall times, the part of it that sharing `cores` between
+    the three processes explains, and how much of the rest falls to each other process (at least 0). Here x1.62,
+    x1.91 and x1.94 in three readings (batch 4, 512-token contexts) where two cores shared by three explain x1.5:
+    4-15% each."""
+    others = ("decode", "decode")
+    t = step_seconds(engine_dir, "decode", context, batch, rounds, others)
     ratio = float(np.median(t.wall["beside"]) / np.median(t.wall["alone"]))
-    return ratio, max(0.0, (ratio / max(1.0, 3 / cores) - 1) / 2)
+    shared = max(1.0, (len(others) + 1) / cores)
+    return ratio, shared, max(0.0, (ratio / shared - 1) / len(others))
 
 
 def main(argv: list[str] | None = None) -> int:
