@@ -135,13 +135,14 @@ LOAD_REQUESTS = 60  # the calibration run at load: a Poisson process of this man
 LOAD_SHARE = 1.0  # at this share of the deployment's goodput as predicted before it
 MAX_DECODE_FACTOR = 2.0  # where the search for the factor on decode work gives up
 MIN_LOAD_RATE = 0.1  # req/s: below it LOAD_REQUESTS would take over ten minutes
+ROLES = {"aggregated": ("aggregated", "aggregated"), "disaggregated": ("prefill", "decode")}  # kind: its prompt and decode roles
 MEASURABLE_TICKS = 50  # a role's steps must last this many CPU-clock ticks for its CPU share to be read within 4%
 
 
 def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path) -> Planner:
     """The planner fitted to what serving adds to the profiled steps here and now, for each deployment as `spec`
     serves it (`deployment_of`: its instances of each role, a fresh server per run), in two runs of the workload's requests
-    and, where the engines share the cores with the front, a third at load (`_fitted_at_load`).
+    and, where the engines share the cores with the front, a third at load (`fitted_at_load`).
 
     First a few requests, one at a time, against the same requests simulated one by one. The median of
     measured minus predicted TTFT becomes the deployment's latency (`Planner.latency_s`: the hops between
@@ -171,7 +172,7 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
                                                   arrival={"users": batch},  # closed loop, all at once
                                                   prompt_tokens=[{"weight": 1.0, "min": shortest, "max": shortest}],
                                                   exact_output_tokens=True)
-    for kind, prompt_role, decode_role in (("aggregated", "aggregated", "aggregated"), ("disaggregated", "prefill", "decode")):
+    for kind, (prompt_role, decode_role) in ROLES.items():
         deployment = deployment_of(spec, kind)
         planner = _fitted_alone(planner, spec, alone, out, kind, deployment, prompt_role, decode_role)
         samples_path, _ = run_point(kind, None, spec, str(batch_path), batch_workload, out)
@@ -181,15 +182,13 @@ def calibrated(planner: Planner, spec: DeploymentSpec, workload_path: Path, out:
         print(f"plan: calibration, {kind}: {len(together)} requests sent at once served with median TPOT {_ms(measured)} ms "
               f"against {_ms(simulated)} ms simulated: the {decode_role} engine's steps take {per_sequence * 1e3:.2f} ms more "
               "for each generating sequence after the first", flush=True)
-        host = planner.hosts.get(kind)
-        if host is not None and host.engines_on_cpu:
-            planner = _fitted_at_load(planner, spec, workload_path, out, kind, deployment, decode_role)
+        planner = fitted_at_load(planner, spec, workload_path, out, kind, deployment)
     return planner
 
 
-def _fitted_at_load(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path, kind: str,
-                    deployment: Deployment, decode_role: str) -> Planner:
-    """`calibrated`'s last run, where the engines share the cores: LOAD_REQUESTS of the workload's requests arriving
+def fitted_at_load(planner: Planner, spec: DeploymentSpec, workload_path: Path, out: Path, kind: str,
+                   deployment: Deployment) -> Planner:
+    """`calibrated`'s last run, where the engines share the cores (elsewhere the planner as it is): LOAD_REQUESTS of the workload's requests arriving
     as a Poisson process at the goodput predicted so far, and the factor on the decode role's decode work that makes
     their median simulated TPOT the measured one. Served beside prompts and the front, decode steps run slower than
     alone, the more so the busier the machine, and prompt steps do not (replayed, the saved `loadtest splits` runs
@@ -197,6 +196,10 @@ def _fitted_at_load(planner: Planner, spec: DeploymentSpec, workload_path: Path,
     there: replayed over five saved `splits` runs, a factor fitted on the run nearest each deployment's predicted
     goodput put p50 TPOT within 20% in 52 of the other 65 runs, one fitted at half of it in 45, none in 36 of 75;
     a calibration run at half (one `splits` run) found x0.88 and x1.02 (docs/measurements.md)."""
+    host = planner.hosts.get(kind)
+    if host is None or not host.engines_on_cpu:
+        return planner
+    decode_role = ROLES[kind][1]
     traffic = traffic_of(load_workload(workload_path))
     rate = round(LOAD_SHARE * planner.goodput(deployment, traffic), 2)
     if rate < MIN_LOAD_RATE:

@@ -14,7 +14,12 @@ measured p50 TTFT, p50 TPOT and attainment beside the planner's on that run's ow
 machine ran an engine alone around the run against when it was profiled (`SpeedProbe`, read before and after
 it; printed, not applied: the machine read 5-10% faster between runs while the runs' steps took longer, and
 predictions scaled by it came within 20% of measured in fewer runs, p50 TPOT 3 of 15 against 6 of 15 unscaled,
-docs/measurements.md). Then the
+docs/measurements.md). Where the engines compute on the cores, each deployment is first calibrated at load on
+itself (`fitted_at_load`: 60 requests at its predicted goodput), and its runs' predictions rest on that: the machine
+drifts by more than 5% over a session, and which engines share the cores changes how much they slow each other
+(replayed over seven saved runs, fitting each deployment on itself put p50 TPOT within 20% in 65 of 84 runs, one
+fit per kind in 58). The predictions with `loadtest plan`'s one calibration per kind, which makes the choice, are
+printed beside them. Then the
 planner's choice, the measured best, and the choice's measured goodput as a share of the best; the best
 measured split beside aggregated x N, goodput and p95 ITL run for run (where disaggregation pays); and how many
 of the predicted p50 TTFT and TPOT came within 20% of measured: over all runs, and over those whose prediction
@@ -53,7 +58,8 @@ from disagg.planner.simulate import Deployment
 from disagg.spec import DeploymentSpec, load_spec
 from loadtest.compare import THREAD_ENV, check_fits, run_point
 from loadtest.crossover import length_variant
-from loadtest.plan import calibrated, handoff, hosts, limits_of, orchestrators_of, predicted_run, profiles, traffic_of
+from loadtest.plan import (ROLES, calibrated, deployment_of, fitted_at_load, handoff, hosts, limits_of, orchestrators_of,
+                           predicted_run, profiles, traffic_of)
 from loadtest.report import Slo, highest_met_rate, run_stats
 from loadtest.samples import read_samples
 from loadtest.workload import Workload, workload_file, workload_variant
@@ -89,6 +95,13 @@ class Run:
     sensitivity: tuple[float, float] = (float("nan"), float("nan"))
     itl_p95_ms: float = float("nan")  # measured only: the simulation times steps, not the gaps a client sees
     slowdown: float = 1.0  # how much slower the machine ran an engine alone around the run than when profiled (SpeedProbe)
+    # p50 TTFT and TPOT (ms) predicted with the calibration at load of the spec's deployment of its kind, as `loadtest
+    # plan` has it, where the predictions above are calibrated at load on this deployment itself
+    shared_ms: tuple[float, float] = (float("nan"), float("nan"))
+
+    def p50_ms(self, at: int) -> tuple[float, float]:
+        """Measured and predicted p50 TTFT (`at` 0) or TPOT (1)."""
+        return (self.ttft_p50_ms, self.tpot_p50_ms)[at]
 
 
 # Near a deployment's capacity its queues grow with any shortfall: there a machine 5% slower moves a predicted
@@ -118,18 +131,25 @@ def _relative(a: float, b: float) -> float:
 
 def prediction_errors(runs: dict[str, list[Run]]) -> str:
     """How many runs' p50 TTFT and p50 TPOT were predicted within ERROR_BOUND of measured, and the median error;
-    then the same over the runs whose prediction a machine SLOWER_STEP times slower moves by less than ERROR_BOUND."""
-    parts = []
-    for label, pick, moved in (("p50 TTFT", lambda r: r.ttft_p50_ms, lambda r: r.sensitivity[0]),
-                               ("p50 TPOT", lambda r: r.tpot_p50_ms, lambda r: r.sensitivity[1])):
-        errors = [(abs(_relative(pick(r)[1], pick(r)[0])), abs(moved(r))) for rs in runs.values() for r in rs if pick(r)[0]]
+    then the same over the runs whose prediction a machine SLOWER_STEP times slower moves by less than ERROR_BOUND;
+    then with one calibration at load for every deployment of a kind (`Run.shared_ms`)."""
+    parts, shared = [], []
+    for label, at in (("p50 TTFT", 0), ("p50 TPOT", 1)):
+        checked = [r for rs in runs.values() for r in rs if r.p50_ms(at)[0]]
+        errors = [(abs(_relative(r.p50_ms(at)[1], r.p50_ms(at)[0])), abs(r.sensitivity[at])) for r in checked]
         errors = [e for e in errors if not math.isnan(e[0])]  # a run the planner had no prediction for is left out
         if not errors:
             continue
         steady = [e for e, m in errors if m < ERROR_BOUND]  # nan (not measured) is not steady
         parts.append(f"{label} within {ERROR_BOUND:.0%} in {_within([e for e, _ in errors])}, and in {_within(steady)} "
                      f"where a {SLOWER_STEP - 1:.0%} slower machine moves the prediction by under {ERROR_BOUND:.0%}")
-    return "splits: predicted " + "; ".join(parts) if parts else "splits: no run to check the predictions against"
+        once = [abs(_relative(r.shared_ms[at], r.p50_ms(at)[0])) for r in checked if not math.isnan(r.shared_ms[at])]
+        if once:
+            shared.append(f"{label} in {_within(once)}")
+    if not parts:
+        return "splits: no run to check the predictions against"
+    return ("splits: predicted, each deployment calibrated at load on itself: " + "; ".join(parts)
+            + ("; calibrated at load once per kind, as `loadtest plan` is: " + ", ".join(shared) if shared else ""))
 
 
 def _within(errors: list[float]) -> str:
@@ -253,6 +273,8 @@ def run(a: argparse.Namespace) -> int:
                       orchestrators=orchestrators_of(first))
     probe = None if a.stand_in else SpeedProbe(first.engine_dir("decode"))  # a stand-in's steps sleep: their speed holds
     planner = calibrated(planner, first, workload_path, out / "calibration")
+    calibration_path = workload_path
+    first_deployment = {kind: str(deployment_of(first, kind)) for kind in ROLES}
     traffic = traffic_of(workload, None, a.prompt_tokens)
     deployments = [(Deployment(prefill=n, decode=a.instances - n), "disaggregated", spec) for n, spec in specs.items()]
     deployments.append((Deployment(aggregated=a.instances), "aggregated", first))
@@ -264,28 +286,36 @@ def run(a: argparse.Namespace) -> int:
           f"at {', '.join(f'{r:g}' for r in rates)} req/s, {a.seconds:g} s each; SLO TTFT <= {slo.ttft_ms:g} ms, "
           f"TPOT <= {slo.tpot_ms:g} ms", flush=True)
 
-    slower = planner.slower(SLOWER_STEP)
+    own_planners: dict[str, dict] = {}
 
     def measured(deployment: Deployment, kind: str, spec: DeploymentSpec, again: bool = False) -> list[Run]:
-        name, found = str(deployment), []
+        name, where = str(deployment), out / (_dir(deployment) + ("-again" if again else ""))
+        own = fitted_at_load(planner, spec, calibration_path, where / "calibration", kind, deployment)
+        if own is not planner:
+            print(f"splits: {name} calibrated at load on itself: predicted goodput {own.goodput(deployment, traffic):.2f} req/s "
+                  f"({predicted_goodput[name]:.2f} calibrated on {first_deployment[kind]})", flush=True)
+        own_planners[name + (", again" if again else "")] = own.fitted()
+        slower, found = own.slower(SLOWER_STEP), []
         before = probe.slowdown() if probe else 1.0
         for rate in rates:
-            samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, out / (_dir(deployment) + ("-again" if again else "")))
+            samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, where)
             after = probe.slowdown() if probe else 1.0  # also the next run's reading before it: nothing runs in between
             slowdown, before = (before + after) / 2, after
             samples = read_samples([samples_path])
             stats = run_stats(samples, slo)
-            pred = predicted_run(planner, deployment, samples, traffic)
+            pred = predicted_run(own, deployment, samples, traffic)
             moved = predicted_run(slower, deployment, samples, traffic)
+            shared = predicted_run(planner, deployment, samples, traffic)
             run = Run(rate, (stats.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
                       (stats.slo_attainment, pred.attainment if pred else 0.0),
                       (stats.tpot_ms["p50"] or 0.0, pred.tpot_p50_s * 1e3 if pred else float("nan")),
                       (_relative(moved.ttft_p50_s, pred.ttft_p50_s), _relative(moved.tpot_p50_s, pred.tpot_p50_s))
                       if pred else (float("nan"), float("nan")),
-                      stats.itl_ms["p95"] or float("nan"), slowdown)
+                      stats.itl_ms["p95"] or float("nan"), slowdown,
+                      (shared.ttft_p50_s * 1e3, shared.tpot_p50_s * 1e3) if shared else (float("nan"), float("nan")))
             found.append(run)
-            print(f"[{name} at {rate:g} req/s{', again' if again else ''}] {_cell(run)}; an engine alone ran x{slowdown:.2f} "
-                  "as slow as when profiled", flush=True)
+            print(f"[{name} at {rate:g} req/s{', again' if again else ''}] {_cell(run)} (calibrated on {first_deployment[kind]}: "
+                  f"{run.shared_ms[0]:.0f}, {run.shared_ms[1]:.0f}); an engine alone ran x{slowdown:.2f} as slow as when profiled", flush=True)
         return found
 
     runs = {str(d): measured(d, kind, spec) for d, kind, spec in deployments}
@@ -311,6 +341,6 @@ def run(a: argparse.Namespace) -> int:
         "again": None if again is None else {"deployment": str(repeated[0]), "runs": [asdict(r) for r in again]},
         "errors": errors, "run_to_run": repeat,
         "goodput": {"measured": measured_goodput, "predicted": predicted_goodput}, "verdict": line, "against_aggregated": pays,
-        "planner": planner.fitted(),
+        "planner": planner.fitted(), "deployment_planners": own_planners,
     }, indent=2))
     return 0

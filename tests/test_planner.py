@@ -17,7 +17,7 @@ from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrator
 from disagg.spec import load_spec
 from loadtest.compare import compare_spec
 from loadtest.plan import (
-    CALIBRATION_REQUESTS, calibrated, check, decode_factor, deployment_of, front_s_per_token, limits_of, per_sequence_cost, predicted_run, profiles, replayed, traffic_of,
+    CALIBRATION_REQUESTS, calibrated, check, decode_factor, deployment_of, fitted_at_load, front_s_per_token, limits_of, per_sequence_cost, predicted_run, profiles, replayed, traffic_of,
 )
 from loadtest.splits import split_spec
 from loadtest.samples import Sample, read_samples
@@ -387,6 +387,16 @@ def test_calibration_at_load_finds_the_factor_decode_work_was_served_with():
     assert factor == pytest.approx(1.3, abs=0.01)
     assert simulated == pytest.approx(measured, rel=0.01)
     assert decode_factor(truth, deployment, "decode", samples)[0] == pytest.approx(1.0, abs=0.01)
+
+
+def test_calibration_at_load_leaves_engines_that_do_not_share_the_cores_as_they_are(tmp_path):
+    """Only engines computing on the front's cores slow each other under load: with engines off the CPU (GPU
+    stand-ins) or no host simulated, nothing is served and the planner comes back as it was."""
+    limits = {"prefill": EngineLimits(4, 512, False, 16), "decode": EngineLimits(8, 64, True, 16)}
+    for hosts in ({}, {"disaggregated": Host(cores=2, front_s_per_token=0.2 * MS, engines_on_cpu=False)}):
+        planner = Planner({"prefill": FLAT, "decode": FLAT}, limits, lambda n: 0.0, hosts)
+        assert fitted_at_load(planner, None, tmp_path / "absent.yaml", tmp_path, "disaggregated", Deployment(prefill=1, decode=1)) is planner
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_fitted_planner_is_written_whole_and_its_steps_read_back_as_fitted():

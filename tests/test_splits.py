@@ -69,16 +69,21 @@ def test_the_best_split_is_set_beside_aggregated_run_for_run():
 
 
 def test_prediction_errors_count_the_runs_within_a_fifth_and_leave_out_those_without_a_prediction():
-    runs = {"prefill x2 + decode x1": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 30.0), (0.06, 0.05)),  # TTFT +10%, TPOT -40%
-                                       Run(2.0, (800.0, 1040.0), (1.0, 1.0), (80.0, 88.0), (0.25, 0.05))],  # +30%, +10%
-              "aggregated x3": [Run(1.5, (900.0, float("nan")), (0.0, 0.0), (60.0, float("nan")))]}
+    nan = float("nan")
+    runs = {"prefill x2 + decode x1": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 30.0), (0.06, 0.05),  # TTFT +10%, TPOT -40%
+                                           shared_ms=(910.0, 35.0)),  # calibrated once per kind: +30%, -30%
+                                       Run(2.0, (800.0, 1040.0), (1.0, 1.0), (80.0, 88.0), (0.25, 0.05),  # +30%, +10%
+                                           shared_ms=(840.0, 100.0))],  # +5%, +25%
+              "aggregated x3": [Run(1.5, (900.0, nan), (0.0, 0.0), (60.0, nan), shared_ms=(nan, nan))]}
     line = prediction_errors(runs)
-    assert line == ("splits: predicted p50 TTFT within 20% in 1 of 2 runs (median error 20%), and in 1 of 1 runs (median "
-                    "error 10%) where a 5% slower machine moves the prediction by under 20%; p50 TPOT within 20% in 1 of 2 runs "
-                    "(median error 25%), and in 1 of 2 runs (median error 25%) where a 5% slower machine moves the prediction "
-                    "by under 20%")
-    unmeasured = {"aggregated x3": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 55.0))]}  # saved before runs had a sensitivity
+    assert line == ("splits: predicted, each deployment calibrated at load on itself: p50 TTFT within 20% in 1 of 2 runs "
+                    "(median error 20%), and in 1 of 1 runs (median error 10%) where a 5% slower machine moves the prediction "
+                    "by under 20%; p50 TPOT within 20% in 1 of 2 runs (median error 25%), and in 1 of 2 runs (median error 25%) "
+                    "where a 5% slower machine moves the prediction by under 20%; calibrated at load once per kind, as "
+                    "`loadtest plan` is: p50 TTFT in 1 of 2 runs (median error 18%), p50 TPOT in 0 of 2 runs (median error 28%)")
+    unmeasured = {"aggregated x3": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 55.0))]}  # saved before runs had these
     assert "in no run where a 5% slower machine" in prediction_errors(unmeasured)
+    assert "once per kind" not in prediction_errors(unmeasured)
     assert prediction_errors({}) == "splits: no run to check the predictions against"
 
 
