@@ -17,7 +17,8 @@
    Then calibrates: ten of the workload's requests, sent one at a time through each deployment: what
    they took beyond the simulation, TTFT becomes the deployment's latency and TPOT an overhead on every
    decode step; then a batch sent at once: what its TPOT took beyond that, a cost per generating sequence
-   in every step (`--no-calibration`: not).
+   in every step; then, where the engines compute on this machine's cores, 60 requests at the predicted
+   goodput: the factor on the decode work that their TPOT took (`--no-calibration`: none of these).
 2. Simulates every prefill:decode split of `--instances` (and decode batch limits up to the engine's)
    and the all-aggregated deployment under the workload (disagg.planner.simulate); prints each one's
    goodput (highest rate with >= 90% of requests within both SLOs) per instance and its predicted p50
