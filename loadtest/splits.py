@@ -273,14 +273,13 @@ def run(a: argparse.Namespace) -> int:
                       orchestrators=orchestrators_of(first))
     probe = None if a.stand_in else SpeedProbe(first.engine_dir("decode"))  # a stand-in's steps sleep: their speed holds
     planner = calibrated(planner, first, workload_path, out / "calibration")
-    calibration_path = workload_path
     first_deployment = {kind: str(deployment_of(first, kind)) for kind in ROLES}
     traffic = traffic_of(workload, None, a.prompt_tokens)
     deployments = [(Deployment(prefill=n, decode=a.instances - n), "disaggregated", spec) for n, spec in specs.items()]
     deployments.append((Deployment(aggregated=a.instances), "aggregated", first))
     predicted_goodput = {str(d): planner.goodput(d, traffic) for d, _, _ in deployments}
     rates = rates_around(predicted_goodput.values()) if a.rates == "auto" else sorted(float(r) for r in a.rates.split(","))
-    workload_path, workload = sustained(workload_path, max(rates), a.seconds, out)
+    runs_path, runs_workload = sustained(workload_path, max(rates), a.seconds, out)
     engines = f"GPU stand-ins stepping {a.stand_in[0]:g} ms + {a.stand_in[1]:g} ms per token" if a.stand_in else "computing"
     print(f"splits: {a.instances} engine instances ({engines}) on {len(os.sched_getaffinity(0))} cores; prompts of {a.prompt_tokens} tokens "
           f"at {', '.join(f'{r:g}' for r in rates)} req/s, {a.seconds:g} s each; SLO TTFT <= {slo.ttft_ms:g} ms, "
@@ -290,7 +289,7 @@ def run(a: argparse.Namespace) -> int:
 
     def measured(deployment: Deployment, kind: str, spec: DeploymentSpec, again: bool = False) -> list[Run]:
         name, where = str(deployment), out / (_dir(deployment) + ("-again" if again else ""))
-        own = fitted_at_load(planner, spec, calibration_path, where / "calibration", kind, deployment)
+        own = fitted_at_load(planner, spec, workload_path, where / "calibration", kind, deployment)
         if own is not planner:
             print(f"splits: {name} calibrated at load on itself: predicted goodput {own.goodput(deployment, traffic):.2f} req/s "
                   f"({predicted_goodput[name]:.2f} calibrated on {first_deployment[kind]})", flush=True)
@@ -298,14 +297,14 @@ def run(a: argparse.Namespace) -> int:
         slower, found = own.slower(SLOWER_STEP), []
         before = probe.slowdown() if probe else 1.0
         for rate in rates:
-            samples_path, _ = run_point(kind, rate, spec, str(workload_path), workload, where)
+            samples_path, _ = run_point(kind, rate, spec, str(runs_path), runs_workload, where)
             after = probe.slowdown() if probe else 1.0  # also the next run's reading before it: nothing runs in between
             slowdown, before = (before + after) / 2, after
             samples = read_samples([samples_path])
             stats = run_stats(samples, slo)
             pred = predicted_run(own, deployment, samples, traffic)
             moved = predicted_run(slower, deployment, samples, traffic)
-            shared = predicted_run(planner, deployment, samples, traffic)
+            shared = pred if own is planner else predicted_run(planner, deployment, samples, traffic)
             run = Run(rate, (stats.ttft_ms["p50"] or 0.0, pred.ttft_p50_s * 1e3 if pred else float("nan")),
                       (stats.slo_attainment, pred.attainment if pred else 0.0),
                       (stats.tpot_ms["p50"] or 0.0, pred.tpot_p50_s * 1e3 if pred else float("nan")),
