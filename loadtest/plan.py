@@ -19,8 +19,13 @@
    decode step; then a batch sent at once: what its TPOT took beyond that, a cost per generating sequence
    in every step; then, where the engines compute on this machine's cores, 60 requests at the predicted
    goodput: the factor on the decode work that their TPOT took (`--no-calibration`: none of these).
+   Every other deployment of `--instances` (each prefill:decode split, aggregated) then gets its own repository
+   (<out>/deployments/) and that run at load on itself (`calibrated_each`), since which engines share the
+   cores changes how much they slow each other: 60 requests at its predicted goodput, 1.5-2.5 minutes per
+   deployment here (prefill-heavy).
 2. Simulates every prefill:decode split of `--instances` (and decode batch limits up to the engine's)
-   and the all-aggregated deployment under the workload (disagg.planner.simulate); prints each one's
+   and the all-aggregated deployment under the workload, each with its own calibration
+   (disagg.planner.simulate); prints each one's
    goodput (highest rate with >= 90% of requests within both SLOs) per instance and its predicted p50
    TTFT, p95 ITL and attainment at the workload's rate, then the recommendation.
 3. `--check`: for each load point of `python -m loadtest crossover` runs, the requests that run sent
@@ -46,12 +51,12 @@ from disagg.engine import engine as engine_module
 from disagg.engine.config import EngineConfig
 from disagg.engine.no_compute import stand_in_key
 from disagg.planner import profile as profile_module
-from disagg.planner.plan import Planner, Prediction, Traffic, predict
+from disagg.planner.plan import Option, Planner, Prediction, Traffic, deployments, predict, ranked
 from disagg.planner.profile import StepModel, profile_engine
 from disagg.planner.roofline import ACCELERATORS
 from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrators, SimRequest
 from disagg.repository import role_models
-from disagg.spec import DeploymentSpec
+from disagg.spec import DeploymentSpec, load_spec
 from loadtest import plan_gpus
 from loadtest.compare import THREAD_ENV, compare_spec, run_point
 from loadtest.samples import Sample, read_samples
@@ -204,16 +209,62 @@ def fitted_at_load(planner: Planner, spec: DeploymentSpec, workload_path: Path, 
     traffic = traffic_of(load_workload(workload_path))
     rate = round(LOAD_SHARE * planner.goodput(deployment, traffic), 2)
     if rate < MIN_LOAD_RATE:
-        print(f"plan: calibration, {kind}: predicted to sustain under {MIN_LOAD_RATE:g} req/s within the SLOs; its decode "
+        print(f"plan: calibration, {deployment}: predicted to sustain under {MIN_LOAD_RATE:g} req/s within the SLOs; its decode "
               "work is not calibrated at load", flush=True)
         return planner
     path, loaded = workload_variant(workload_path, out, "calibration-load", max_requests=LOAD_REQUESTS,
                                     duration_s=LOAD_REQUESTS / rate + 30.0, arrival={"rate": rate})
     samples_path, _ = run_point(kind, rate, spec, str(path), loaded, out)
     factor, measured, simulated = decode_factor(planner, deployment, decode_role, read_samples([samples_path]))
-    print(f"plan: calibration, {kind}: {LOAD_REQUESTS} requests at {rate:g} req/s served with median TPOT {_ms(measured)} ms "
+    print(f"plan: calibration, {deployment}: {LOAD_REQUESTS} requests at {rate:g} req/s served with median TPOT {_ms(measured)} ms "
           f"against {_ms(simulated)} ms simulated with the {decode_role} engine's decode work x{factor:.2f}", flush=True)
     return planner.adjusted({decode_role: planner.steps[decode_role].decode_scaled(factor)})
+
+
+def split_spec(config: Path, out: Path, instances: int, prefill: int) -> DeploymentSpec:
+    """`config` with `prefill` prefill and `instances - prefill` decode instances, and `instances` aggregated
+    ones, rendered into its own model repository under `out`."""
+    raw = yaml.safe_load(config.read_text())
+    for role, count in (("prefill", prefill), ("decode", instances - prefill), ("aggregated", instances)):
+        spec = raw["roles"].get(role)
+        if spec is None:
+            raise SystemExit(f"error: {config} has no role {role}: a split needs prefill, decode and aggregated")
+        if spec.get("tp", 1) * spec.get("pp", 1) != 1:
+            raise SystemExit(f"error: roles.{role}: a split counts one engine rank per instance, and tp * pp is not 1")
+        spec["instances"] = count
+    where = out / f"prefill{prefill}-decode{instances - prefill}"
+    where.mkdir(parents=True, exist_ok=True)
+    raw["output"] = {**raw.get("output", {}), "model_repository": str(where / "model_repository")}
+    path = where / "spec.yaml"
+    path.write_text(f"# {config}, {prefill} prefill + {instances - prefill} decode instances, served on its own\n"
+                    + yaml.safe_dump(raw, sort_keys=False))
+    return load_spec(path)
+
+
+def deployment_dir(deployment: Deployment) -> str:
+    return str(deployment).replace(" ", "").replace("+", "-")
+
+
+def calibrated_each(planner: Planner, config: Path, instances: int, workload_path: Path, out: Path,
+                    calibrated_on: tuple[Deployment, ...]) -> dict[Deployment, Planner]:
+    """Every deployment of `instances` with its own planner: `planner` calibrated at load on that deployment
+    (`fitted_at_load`), its repository built (`split_spec`, under `out`) and served, but for the deployments `planner`
+    was calibrated on and where the engines do not share the cores. Which engines share the cores changes how much
+    they slow each other, and the machine drifts between calibrations: in `loadtest splits` runs, predictions calibrated
+    on each deployment put p50 TPOT within 20% in 44 of 45 runs, one calibration per kind in 42 (docs/measurements.md)."""
+    planners, specs = {}, {}
+    for deployment in deployments(instances, "aggregated" in planner.steps):
+        host = planner.hosts.get(deployment.kind)
+        if deployment in calibrated_on or host is None or not host.engines_on_cpu:
+            planners[deployment] = planner
+            continue
+        prefill = deployment.prefill or 1  # every split's repository also serves aggregated x instances
+        if prefill not in specs:
+            specs[prefill] = split_spec(config, out, instances, prefill)
+            build(specs[prefill], log=lambda line: print(f"build: {line}", flush=True))
+        planners[deployment] = fitted_at_load(planner, specs[prefill], workload_path, out / deployment_dir(deployment) / "calibration",
+                                              deployment.kind, deployment)
+    return planners
 
 
 def deployment_of(spec: DeploymentSpec, kind: str) -> Deployment:
@@ -357,8 +408,7 @@ def _signed_ms(s: float) -> str:
     return f"{s * 1e3:+.1f} ms"
 
 
-def print_plan(planner: Planner, instances: int, traffic: Traffic) -> None:
-    options = planner.options(instances, traffic)
+def print_plan(options: list[Option], instances: int, traffic: Traffic) -> None:
     print(f"{'deployment':<24} {'decode batch':>12} | {'goodput req/s':>13} {'per instance':>12} | "
           f"at {traffic.rate:g} req/s: {'p50 TTFT ms':>11} {'p95 ITL ms':>10} {'attainment':>10}")
     for o in options:
@@ -375,6 +425,17 @@ def print_plan(planner: Planner, instances: int, traffic: Traffic) -> None:
               + (" (aggregated would do as well)" if ratio < 1.05 else ""))
     elif agg is not None:
         print("plan: aggregated serving does at least as well as any split for this workload")
+
+
+def once_per_kind(planner: Planner, planners: dict[Deployment, Planner], calibrated_on: tuple[Deployment, ...],
+                  traffic: Traffic) -> str | None:
+    """What `planner`, calibrated on `calibrated_on` only, would predict and recommend, where some deployment has a
+    planner of its own (`calibrated_each`): how much calibrating each candidate on itself changed."""
+    if all(own is planner for own in planners.values()):
+        return None
+    once = {d: planner.goodput(d, traffic) for d in planners}
+    return (f"plan: calibrated once per kind instead (on {' and '.join(map(str, calibrated_on))}), goodput "
+            f"{', '.join(f'{d} {g:.2f}' for d, g in once.items())} req/s: it would recommend {max(once, key=once.get)}")
 
 
 def replayed(samples: list[Sample]) -> list[SimRequest]:
@@ -457,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_gpus.run(a, traffic_of(workload, a.rate))
     if a.front:
         raise SystemExit("error: --front: for a TensorRT-LLM spec; on the CPU the planner measures the front itself")
+    if a.instances is not None and a.instances < 2:
+        raise SystemExit("error: --instances must be at least 2: one prefill and one decode instance")
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))
@@ -464,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     planner = Planner(profiles(spec), limits_of(spec), handoff(spec), shared, orchestrators=orchestrators_of(spec))
     if not (a.no_host or a.no_calibration):
         planner = calibrated(planner, spec, workload_path, a.out / "calibration")
+    instances = a.instances or spec.roles["prefill"].instances + spec.roles["decode"].instances
     for kind, host in shared.items():
         print(f"plan: {kind}: {host.cores:g} cores shared by the engines and a front costing {host.front_s_per_token * 1e3:.2f} ms "
               "of CPU per output token")
@@ -472,11 +536,16 @@ def main(argv: list[str] | None = None) -> int:
         decode = ", ".join(f"{b}: {model.decode_s(b, 1024) * 1e3:.0f}" for b in model.decode.batches)
         print(f"plan: {role} steps: decode at 1k-token contexts, ms by batch {decode}; with prompt tokens {q.base_s * 1e3:.2f} ms + "
               f"{q.per_token_s * 1e6:.0f} us/token + {q.per_attended_s * 1e9:.2f} ns/attended token (fit within {model.fit_error:.0%})")
-    instances = a.instances or spec.roles["prefill"].instances + spec.roles["decode"].instances
     traffic = traffic_of(workload, a.rate)
+    planners = {d: planner for d in deployments(instances, "aggregated" in planner.steps)}
+    if not (a.no_host or a.no_calibration):
+        planners = calibrated_each(planner, a.config, instances, workload_path, a.out / "deployments",
+                                   tuple(deployment_of(spec, kind) for kind in ROLES))
     print(f"plan: workload {workload.name} at {traffic.rate:g} req/s, SLO TTFT <= {workload.ttft_slo_ms:g} ms, "
           f"TPOT <= {workload.tpot_slo_ms:g} ms; {instances} engine instances", flush=True)
-    print_plan(planner, instances, traffic)
+    print_plan(ranked(planners, traffic), instances, traffic)
+    if line := once_per_kind(planner, planners, tuple(deployment_of(spec, kind) for kind in ROLES), traffic):
+        print(line)
     if a.check:
         check(planner, workload, a.check)
     return 0

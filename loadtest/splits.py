@@ -15,12 +15,13 @@ machine ran an engine alone around the run against when it was profiled (`SpeedP
 it; printed, not applied: the machine read 5-10% faster between runs while the runs' steps took longer, and
 predictions scaled by it came within 20% of measured in fewer runs, p50 TPOT 3 of 15 against 6 of 15 unscaled,
 docs/measurements.md). Where the engines compute on the cores, each deployment is first calibrated at load on
-itself (`fitted_at_load`: 60 requests at its predicted goodput), and its runs' predictions rest on that: the machine
-drifts by more than 5% over a session, and which engines share the cores changes how much they slow each other
-(replayed over seven saved runs, fitting each deployment on itself put p50 TPOT within 20% in 65 of 84 runs, one
-fit per kind in 58). The predictions with `loadtest plan`'s one calibration per kind, which makes the choice, are
-printed beside them. Then the
-planner's choice, the measured best, and the choice's measured goodput as a share of the best; the best
+itself (`fitted_at_load`: 60 requests at its predicted goodput) just before its runs, as `loadtest plan` calibrates
+each candidate, and its runs' predictions rest on that: the machine drifts by more than 5% over a session, and which
+engines share the cores changes how much they slow each other (replayed over seven saved runs, fitting each
+deployment on itself put p50 TPOT within 20% in 65 of 84 runs, one fit per kind in 58). The predictions with one
+calibration per kind, on the first split and aggregated, are printed beside them. Then the planner's choice (the
+most goodput predicted, each deployment calibrated on itself; and the choice one calibration per kind would make
+where it differs), the measured best, and the choice's measured goodput as a share of the best; the best
 measured split beside aggregated x N, goodput and p95 ITL run for run (where disaggregation pays); and how many
 of the predicted p50 TTFT and TPOT came within 20% of measured: over all runs, and over those whose prediction
 moves by less than that on a machine 5% slower (near a deployment's capacity a prediction moves by more, and no
@@ -48,41 +49,20 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from disagg.cli import build
 from disagg.engine.no_compute import skipped_compute
 from disagg.planner.plan import Planner
 from disagg.planner.profile import SpeedProbe
 from disagg.planner.simulate import Deployment
-from disagg.spec import DeploymentSpec, load_spec
+from disagg.spec import DeploymentSpec
 from loadtest.compare import THREAD_ENV, check_fits, run_point
 from loadtest.crossover import length_variant
-from loadtest.plan import (ROLES, calibrated, deployment_of, fitted_at_load, handoff, hosts, limits_of, orchestrators_of,
-                           predicted_run, profiles, traffic_of)
+from loadtest.plan import (ROLES, calibrated, deployment_dir, deployment_of, fitted_at_load, handoff, hosts, limits_of, orchestrators_of,
+                           predicted_run, profiles, split_spec, traffic_of)
 from loadtest.report import Slo, highest_met_rate, run_stats
 from loadtest.samples import read_samples
 from loadtest.workload import Workload, workload_file, workload_variant
-
-
-def split_spec(config: Path, out: Path, instances: int, prefill: int) -> DeploymentSpec:
-    """`config` with `prefill` prefill and `instances - prefill` decode instances, and `instances` aggregated
-    ones, rendered into its own model repository under `out`."""
-    raw = yaml.safe_load(config.read_text())
-    for role, count in (("prefill", prefill), ("decode", instances - prefill), ("aggregated", instances)):
-        spec = raw["roles"].get(role)
-        if spec is None:
-            raise SystemExit(f"error: {config} has no role {role}: splits needs prefill, decode and aggregated")
-        if spec.get("tp", 1) * spec.get("pp", 1) != 1:
-            raise SystemExit(f"error: roles.{role}: splits counts one engine rank per instance, and tp * pp is not 1")
-        spec["instances"] = count
-    where = out / f"prefill{prefill}-decode{instances - prefill}"
-    where.mkdir(parents=True, exist_ok=True)
-    raw["output"] = {**raw.get("output", {}), "model_repository": str(where / "model_repository")}
-    path = where / "spec.yaml"
-    path.write_text(f"# {config}, {prefill} prefill + {instances - prefill} decode instances, for `python -m loadtest splits`\n"
-                    + yaml.safe_dump(raw, sort_keys=False))
-    return load_spec(path)
 
 
 @dataclass(frozen=True)
@@ -111,14 +91,21 @@ class Run:
 SLOWER_STEP = 1.05
 
 
-def verdict(measured: dict[str, float | None], predicted: dict[str, float]) -> str:
+def verdict(measured: dict[str, float | None], predicted: dict[str, float], once_per_kind: dict[str, float] | None = None) -> str:
+    """The planner's choice (the most goodput predicted, each deployment calibrated on itself as `loadtest plan` does)
+    against the measured best; and, where `once_per_kind` (one calibration per kind) would choose otherwise, that choice."""
     choice = max(predicted, key=lambda name: predicted[name])
+    other = max(once_per_kind, key=lambda name: once_per_kind[name]) if once_per_kind else choice
+    aside = "" if other == choice else f"; calibrated once per kind it would choose {other}"
     if not any(measured.values()):
-        return f"splits: the planner chooses {choice}; no deployment met the SLOs at any rate measured: nothing to compare"
+        return f"splits: the planner chooses {choice}{aside}; no deployment met the SLOs at any rate measured: nothing to compare"
     best = max(measured, key=lambda name: measured[name] or 0.0)
-    share = (measured[choice] or 0.0) / measured[best]
+
+    def share(name: str) -> str:
+        return f"{measured[name] or 0:g} req/s = {(measured[name] or 0.0) / measured[best]:.0%} of the best"
+
     return (f"splits: the planner chooses {choice} (predicted {predicted[choice]:.2f} req/s); measured best {best} "
-            f"({measured[best]:g} req/s); the choice measured {measured[choice] or 0:g} req/s = {share:.0%} of the best")
+            f"({measured[best]:g} req/s); the choice measured {share(choice)}" + (f"{aside}, which measured {share(other)}" if aside else ""))
 
 
 ERROR_BOUND = 0.2  # how close to measured the planner's latency predictions are meant to come
@@ -220,10 +207,6 @@ def _cell(run: Run) -> str:
             f"{run.ttft_p50_ms[0]:.0f} / {run.ttft_p50_ms[1]:.0f}, {run.tpot_p50_ms[0]:.0f} / {run.tpot_p50_ms[1]:.0f}")
 
 
-def _dir(deployment: Deployment) -> str:
-    return str(deployment).replace(" ", "").replace("+", "-")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest splits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=Path("configs/cpu-bench.yaml"))
@@ -286,12 +269,16 @@ def run(a: argparse.Namespace) -> int:
           f"TPOT <= {slo.tpot_ms:g} ms", flush=True)
 
     own_planners: dict[str, dict] = {}
+    own_goodput = dict(predicted_goodput)  # each deployment's, calibrated on itself where it is
 
     def measured(deployment: Deployment, kind: str, spec: DeploymentSpec, again: bool = False) -> list[Run]:
-        name, where = str(deployment), out / (_dir(deployment) + ("-again" if again else ""))
+        name, where = str(deployment), out / (deployment_dir(deployment) + ("-again" if again else ""))
         own = fitted_at_load(planner, spec, workload_path, where / "calibration", kind, deployment)
         if own is not planner:
-            print(f"splits: {name} calibrated at load on itself: predicted goodput {own.goodput(deployment, traffic):.2f} req/s "
+            goodput = own.goodput(deployment, traffic)
+            if not again:
+                own_goodput[name] = goodput
+            print(f"splits: {name} calibrated at load on itself: predicted goodput {goodput:.2f} req/s "
                   f"({predicted_goodput[name]:.2f} calibrated on {first_deployment[kind]})", flush=True)
         own_planners[name + (", again" if again else "")] = own.fitted()
         slower, found = own.slower(SLOWER_STEP), []
@@ -325,8 +312,8 @@ def run(a: argparse.Namespace) -> int:
     for name, rs in runs.items():
         cells = "; ".join(f"{r.rate:g}: {_cell(r)}" for r in rs)
         meas = measured_goodput[name]
-        print(f"{name:<24} | {'-' if meas is None else f'{meas:g}':>11} | {predicted_goodput[name]:>11.2f} | {cells}")
-    line = verdict(measured_goodput, predicted_goodput)
+        print(f"{name:<24} | {'-' if meas is None else f'{meas:g}':>11} | {own_goodput[name]:>11.2f} | {cells}")
+    line = verdict(measured_goodput, own_goodput, predicted_goodput)
     pays = against_aggregated(runs, measured_goodput, str(deployments[-1][0]))
     errors = prediction_errors(runs)
     repeat = None if again is None else run_to_run(str(repeated[0]), runs[str(repeated[0])], again)
@@ -339,7 +326,7 @@ def run(a: argparse.Namespace) -> int:
         "runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
         "again": None if again is None else {"deployment": str(repeated[0]), "runs": [asdict(r) for r in again]},
         "errors": errors, "run_to_run": repeat,
-        "goodput": {"measured": measured_goodput, "predicted": predicted_goodput}, "verdict": line, "against_aggregated": pays,
+        "goodput": {"measured": measured_goodput, "predicted": own_goodput, "predicted_once_per_kind": predicted_goodput}, "verdict": line, "against_aggregated": pays,
         "planner": planner.fitted(), "deployment_planners": own_planners,
     }, indent=2))
     return 0

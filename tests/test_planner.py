@@ -11,15 +11,14 @@ import pytest
 
 from disagg.cli import build
 from disagg.engine.no_compute import skipped_compute
-from disagg.planner.plan import Planner, Traffic, predict
+from disagg.planner.plan import Planner, Traffic, deployments, predict, ranked
 from disagg.planner.profile import PROBE_STEPS, DecodeTable, Linear, SpeedProbe, StepModel, Timed, fit, profile_engine
 from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrators, SimRequest, simulate
 from disagg.spec import load_spec
 from loadtest.compare import compare_spec
 from loadtest.plan import (
-    CALIBRATION_REQUESTS, calibrated, check, decode_factor, deployment_of, fitted_at_load, front_s_per_token, limits_of, per_sequence_cost, predicted_run, profiles, replayed, traffic_of,
+    CALIBRATION_REQUESTS, LOAD_REQUESTS, ROLES, calibrated, calibrated_each, check, decode_factor, deployment_of, fitted_at_load, front_s_per_token, limits_of, once_per_kind, per_sequence_cost, predicted_run, profiles, replayed, split_spec, traffic_of,
 )
-from loadtest.splits import split_spec
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import WORKLOAD_DIR, load_workload, workload_variant
 
@@ -204,6 +203,67 @@ def test_goodput_grows_with_instances_and_options_come_best_first():
     assert options[0].goodput >= max(o.goodput for o in options) * 0.98
     best_split = next(o for o in options if not o.deployment.aggregated)
     assert best_split.deployment.prefill >= 2  # prompts of 1-1.5k tokens: prefill is the bottleneck
+
+
+def test_each_deployment_is_ranked_by_its_own_planner():
+    """`loadtest plan` calibrates each candidate on itself: aggregated, whose planner found its engines' steps
+    twice as long, loses its rank to the split, while the options of one planner for all are ranked as before."""
+    planner, traffic = _planner(), Traffic(((1.0, 1000, 1500),), ((1.0, 64, 128),), 1.0, ttft_slo_s=4.0, tpot_slo_s=0.15)
+    split, aggregated = Deployment(prefill=1, decode=1), Deployment(aggregated=2)
+    assert deployments(2) == [split, aggregated] and deployments(3, aggregated=False) == [Deployment(1, 2), Deployment(2, 1)]
+    assert ranked({d: planner for d in deployments(2)}, traffic) == planner.options(2, traffic)
+    slow = planner.adjusted({"aggregated": planner.steps["aggregated"].slower(2.0)})
+    alike, own = ranked({split: planner, aggregated: planner}, traffic), ranked({split: planner, aggregated: slow}, traffic)
+    assert alike[0].deployment == aggregated and own[0].deployment == split
+    ours = next(o for o in own if o.deployment == aggregated)
+    assert ours.goodput == slow.goodput(aggregated, traffic) < next(o for o in alike if o.deployment == aggregated).goodput
+    assert [o for o in own if o.deployment == split] == [o for o in alike if o.deployment == split]
+
+
+def test_plan_says_what_one_calibration_per_kind_would_have_recommended():
+    planner, traffic = _planner(), Traffic(((1.0, 1000, 1500),), ((1.0, 64, 128),), 1.0, ttft_slo_s=4.0, tpot_slo_s=0.15)
+    split, aggregated = Deployment(prefill=1, decode=1), Deployment(aggregated=2)
+    assert once_per_kind(planner, {split: planner, aggregated: planner}, (split, aggregated), traffic) is None
+    slow = planner.adjusted({"aggregated": planner.steps["aggregated"].slower(2.0)})
+    line = once_per_kind(planner, {split: planner, aggregated: slow}, (split, aggregated), traffic)
+    assert line == (f"plan: calibrated once per kind instead (on prefill x1 + decode x1 and aggregated x2), goodput prefill x1 + decode x1 "
+                    f"{planner.goodput(split, traffic):.2f}, aggregated x2 {planner.goodput(aggregated, traffic):.2f} req/s: "
+                    "it would recommend aggregated x2")
+
+
+def test_each_deployment_keeps_the_planner_where_calibrating_it_at_load_would_change_nothing(tmp_path):
+    """Deployments the planner was calibrated on, and engines off the cores, are neither built nor served."""
+    on_cpu = {"disaggregated": Host(cores=2, front_s_per_token=0.2 * MS), "aggregated": Host(cores=2, front_s_per_token=0.2 * MS)}
+    off = {kind: dataclasses.replace(host, engines_on_cpu=False) for kind, host in on_cpu.items()}
+    for hosts, calibrated_on in ((on_cpu, tuple(deployments(3))), (off, ()), ({}, ())):
+        planner = Planner({"prefill": FLAT, "decode": FLAT, "aggregated": FLAT}, _planner().limits, lambda n: 0.0, hosts)
+        planners = calibrated_each(planner, tmp_path / "absent.yaml", 3, tmp_path / "absent-workload.yaml", tmp_path, calibrated_on)
+        assert planners == {d: planner for d in deployments(3)}
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.e2e
+def test_a_deployment_not_calibrated_on_is_built_served_and_calibrated_at_load_on_itself(cpu_tiny_project, tmp_path, capsys):
+    """The one split of three instances the planner was not calibrated on gets a repository of its own, serves
+    the workload's requests at its predicted goodput, and a planner whose decode work is fitted to them."""
+    workload, _ = workload_variant(WORKLOAD_DIR / "quick.yaml", tmp_path, "short", prompt_tokens=[{"weight": 1.0, "min": 8, "max": 16}],
+                                   output_tokens=[{"weight": 1.0, "min": 8, "max": 16}], shared_prefix={"fraction": 0.0},
+                                   slo={"ttft_ms": 2000, "tpot_ms": 200})
+    hosts = {kind: Host(cores=2, front_s_per_token=0.2 * MS) for kind in ROLES}
+    limits = {role: EngineLimits(8, 256, True, 16) for role in ("prefill", "decode", "aggregated")}
+    slow = StepModel(DecodeTable((1,), (100 * MS,), (0.0,)), Linear(100 * MS, 0.0, 0.0), 0.0)  # a few req/s: 60 in seconds
+    planner = Planner({"prefill": slow, "decode": slow, "aggregated": slow}, limits, lambda n: 0.0, hosts)
+    fitted = Deployment(prefill=2, decode=1)
+    with contextlib.chdir(cpu_tiny_project):
+        planners = calibrated_each(planner, Path("configs/cpu-tiny.yaml"), 3, workload, tmp_path,
+                                   (Deployment(prefill=1, decode=2), Deployment(aggregated=3)))
+    assert {d for d, p in planners.items() if p is planner} == {Deployment(prefill=1, decode=2), Deployment(aggregated=3)}
+    samples = read_samples([next((tmp_path / "prefillx2-decodex1" / "calibration" / "samples").glob("disaggregated-*.jsonl"))])
+    assert len(samples) == LOAD_REQUESTS and sum(s.ok for s in samples) >= LOAD_REQUESTS - 2
+    factor = planners[fitted].steps["decode"].decode_s(1, 16) / slow.decode_s(1, 16)
+    assert factor != pytest.approx(1.0) and planners[fitted].steps["prefill"] == slow  # prompts as profiled, decode work refitted
+    assert (tmp_path / "prefill2-decode1" / "model_repository").is_dir() and not (tmp_path / "prefill1-decode2").exists()
+    assert f"plan: calibration, prefill x2 + decode x1: {LOAD_REQUESTS} requests at" in capsys.readouterr().out
 
 
 def test_goodput_is_zero_where_no_rate_meets_the_slos():

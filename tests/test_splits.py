@@ -11,8 +11,9 @@ import yaml
 from loadtest.report import highest_met_rate
 from loadtest.crossover import length_variant
 from loadtest.splits import (
-    Run, against_aggregated, prediction_errors, rates_around, run_to_run, split_spec, stand_in, sustained, verdict,
+    Run, against_aggregated, prediction_errors, rates_around, run_to_run, stand_in, sustained, verdict,
 )
+from loadtest.plan import split_spec
 from loadtest.workload import workload_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ def test_a_sharded_role_is_refused(tmp_path):
     raw["roles"]["decode"]["tp"] = 2
     config = tmp_path / "tp2.yaml"
     config.write_text(yaml.safe_dump(raw))
-    with pytest.raises(SystemExit, match=r"roles.decode: splits counts one engine rank per instance, and tp \* pp is not 1"):
+    with pytest.raises(SystemExit, match=r"roles.decode: a split counts one engine rank per instance, and tp \* pp is not 1"):
         split_spec(config, tmp_path, 3, 1)
 
 
@@ -48,6 +49,11 @@ def test_the_verdict_rates_the_choice_against_the_measured_best():
     assert line == ("splits: the planner chooses prefill x2 + decode x1 (predicted 0.31 req/s); measured best aggregated x3 "
                     "(0.3 req/s); the choice measured 0.2 req/s = 67% of the best")
     assert "nothing to compare" in verdict({name: None for name in predicted}, predicted)
+    once = {"prefill x2 + decode x1": 0.2, "prefill x1 + decode x2": 0.18, "aggregated x3": 0.28}
+    assert verdict({"prefill x2 + decode x1": 0.2, "prefill x1 + decode x2": 0.1, "aggregated x3": 0.3}, predicted, once).endswith(
+        "the choice measured 0.2 req/s = 67% of the best; calibrated once per kind it would choose aggregated x3, "
+        "which measured 0.3 req/s = 100% of the best")
+    assert verdict({"prefill x2 + decode x1": 0.2}, {"prefill x2 + decode x1": 0.3}, {"prefill x2 + decode x1": 0.1}).endswith("= 100% of the best")
 
 
 def test_the_best_split_is_set_beside_aggregated_run_for_run():

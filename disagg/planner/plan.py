@@ -143,17 +143,27 @@ class Planner:
             lo, hi = (mid, hi) if meets(mid) else (lo, mid)
         return lo
 
+    def deployment_options(self, deployment: Deployment, traffic: Traffic) -> list[Option]:
+        """The deployment at each decode batch limit up to the engine's (a split), or as it is (aggregated)."""
+        if deployment.aggregated:
+            return [Option(deployment, None, self.goodput(deployment, traffic), predict(self.run(deployment, traffic, traffic.rate), traffic))]
+        top = self.limits["decode"].max_batch_size
+        return [Option(deployment, batch, self.goodput(deployment, traffic, batch),
+                       predict(self.run(deployment, traffic, traffic.rate, batch), traffic))
+                for batch in sorted({b for b in (8, 16, 32, 64, 128, top) if b <= top})]
+
     def options(self, instances: int, traffic: Traffic) -> list[Option]:
         """Every split of `instances` (with each decode batch limit) and all-aggregated, best first."""
-        top = self.limits["decode"].max_batch_size
-        batches = sorted({b for b in (8, 16, 32, 64, 128, top) if b <= top})
-        found = []
-        for prefill in range(1, instances):
-            d = Deployment(prefill=prefill, decode=instances - prefill)
-            for batch in batches:
-                found.append(Option(d, batch, self.goodput(d, traffic, batch),
-                                    predict(self.run(d, traffic, traffic.rate, batch), traffic)))
-        if "aggregated" in self.steps:
-            d = Deployment(aggregated=instances)
-            found.append(Option(d, None, self.goodput(d, traffic), predict(self.run(d, traffic, traffic.rate), traffic)))
-        return best_first(found, lambda o: o.decode_batch or 0)
+        return ranked({d: self for d in deployments(instances, "aggregated" in self.steps)}, traffic)
+
+
+def deployments(instances: int, aggregated: bool = True) -> list[Deployment]:
+    """Every prefill:decode split of `instances`, then all-aggregated (where there is an aggregated engine)."""
+    splits = [Deployment(prefill=n, decode=instances - n) for n in range(1, instances)]
+    return splits + [Deployment(aggregated=instances)] if aggregated else splits
+
+
+def ranked(planners: dict[Deployment, Planner], traffic: Traffic) -> list[Option]:
+    """Each deployment's options as its own planner predicts them (one calibrated on that deployment, say), best first."""
+    return best_first([o for d, planner in planners.items() for o in planner.deployment_options(d, traffic)],
+                      lambda o: o.decode_batch or 0)
