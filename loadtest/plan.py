@@ -221,17 +221,25 @@ def fitted_at_load(planner: Planner, spec: DeploymentSpec, workload_path: Path, 
     return planner.adjusted({decode_role: planner.steps[decode_role].decode_scaled(factor)})
 
 
-def split_spec(config: Path, out: Path, instances: int, prefill: int) -> DeploymentSpec:
-    """`config` with `prefill` prefill and `instances - prefill` decode instances, and `instances` aggregated
-    ones, rendered into its own model repository under `out`."""
+def splittable(config: Path) -> dict:
+    """`config`'s YAML, where every split of its instances can be served from it: prefill, decode and aggregated
+    roles of one engine rank per instance (an instance is what a split counts)."""
     raw = yaml.safe_load(config.read_text())
-    for role, count in (("prefill", prefill), ("decode", instances - prefill), ("aggregated", instances)):
+    for role in ("prefill", "decode", "aggregated"):
         spec = raw["roles"].get(role)
         if spec is None:
             raise SystemExit(f"error: {config} has no role {role}: a split needs prefill, decode and aggregated")
         if spec.get("tp", 1) * spec.get("pp", 1) != 1:
             raise SystemExit(f"error: roles.{role}: a split counts one engine rank per instance, and tp * pp is not 1")
-        spec["instances"] = count
+    return raw
+
+
+def split_spec(config: Path, out: Path, instances: int, prefill: int) -> DeploymentSpec:
+    """`config` with `prefill` prefill and `instances - prefill` decode instances, and `instances` aggregated
+    ones, rendered into its own model repository under `out`."""
+    raw = splittable(config)
+    for role, count in (("prefill", prefill), ("decode", instances - prefill), ("aggregated", instances)):
+        raw["roles"][role]["instances"] = count
     where = out / f"prefill{prefill}-decode{instances - prefill}"
     where.mkdir(parents=True, exist_ok=True)
     raw["output"] = {**raw.get("output", {}), "model_repository": str(where / "model_repository")}
@@ -520,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --front: for a TensorRT-LLM spec; on the CPU the planner measures the front itself")
     if a.instances is not None and a.instances < 2:
         raise SystemExit("error: --instances must be at least 2: one prefill and one decode instance")
+    if a.instances is not None and not (a.no_host or a.no_calibration):
+        splittable(a.config)  # refused before any work: each split of --instances is served to calibrate it
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))

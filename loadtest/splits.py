@@ -75,8 +75,8 @@ class Run:
     sensitivity: tuple[float, float] = (float("nan"), float("nan"))
     itl_p95_ms: float = float("nan")  # measured only: the simulation times steps, not the gaps a client sees
     slowdown: float = 1.0  # how much slower the machine ran an engine alone around the run than when profiled (SpeedProbe)
-    # p50 TTFT and TPOT (ms) predicted with the calibration at load of the spec's deployment of its kind, as `loadtest
-    # plan` has it, where the predictions above are calibrated at load on this deployment itself
+    # p50 TTFT and TPOT (ms) predicted with the calibration at load of the first split or aggregated, one per kind,
+    # where the predictions above are calibrated at load on this deployment itself
     shared_ms: tuple[float, float] = (float("nan"), float("nan"))
 
     def p50_ms(self, at: int) -> tuple[float, float]:
@@ -136,7 +136,7 @@ def prediction_errors(runs: dict[str, list[Run]]) -> str:
     if not parts:
         return "splits: no run to check the predictions against"
     return ("splits: predicted, each deployment calibrated at load on itself: " + "; ".join(parts)
-            + ("; calibrated at load once per kind, as `loadtest plan` is: " + ", ".join(shared) if shared else ""))
+            + ("; calibrated at load once per kind, on the first split and aggregated: " + ", ".join(shared) if shared else ""))
 
 
 def _within(errors: list[float]) -> str:

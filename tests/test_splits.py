@@ -13,6 +13,8 @@ from loadtest.crossover import length_variant
 from loadtest.splits import (
     Run, against_aggregated, prediction_errors, rates_around, run_to_run, stand_in, sustained, verdict,
 )
+from loadtest.compare import THREAD_ENV
+from loadtest.plan import main as plan_main
 from loadtest.plan import split_spec
 from loadtest.workload import workload_file
 
@@ -27,13 +29,19 @@ def test_each_split_gets_its_instances_and_its_own_repository(tmp_path):
     assert spec.build_dir == Path("build/cpu-bench")  # the engines are shared by every split
 
 
-def test_a_sharded_role_is_refused(tmp_path):
+def test_a_sharded_role_is_refused(tmp_path, monkeypatch):
     raw = yaml.safe_load((ROOT / "configs/cpu-bench.yaml").read_text())
     raw["roles"]["decode"]["tp"] = 2
     config = tmp_path / "tp2.yaml"
     config.write_text(yaml.safe_dump(raw))
-    with pytest.raises(SystemExit, match=r"roles.decode: a split counts one engine rank per instance, and tp \* pp is not 1"):
+    refusal = r"roles.decode: a split counts one engine rank per instance, and tp \* pp is not 1"
+    with pytest.raises(SystemExit, match=refusal):
         split_spec(config, tmp_path, 3, 1)
+    for name, value in THREAD_ENV.items():  # plan sets them for its servers; restored after the test
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match=refusal):  # plan, which calibrates each split, refuses it before any work
+        plan_main(["--config", str(config), "--instances", "3", "--out", str(tmp_path / "plan")])
+    assert not (tmp_path / "plan").exists()
 
 
 def test_goodput_is_the_last_rate_before_the_first_miss():
@@ -85,8 +93,8 @@ def test_prediction_errors_count_the_runs_within_a_fifth_and_leave_out_those_wit
     assert line == ("splits: predicted, each deployment calibrated at load on itself: p50 TTFT within 20% in 1 of 2 runs "
                     "(median error 20%), and in 1 of 1 runs (median error 10%) where a 5% slower machine moves the prediction "
                     "by under 20%; p50 TPOT within 20% in 1 of 2 runs (median error 25%), and in 1 of 2 runs (median error 25%) "
-                    "where a 5% slower machine moves the prediction by under 20%; calibrated at load once per kind, as "
-                    "`loadtest plan` is: p50 TTFT in 1 of 2 runs (median error 18%), p50 TPOT in 0 of 2 runs (median error 28%)")
+                    "where a 5% slower machine moves the prediction by under 20%; calibrated at load once per kind, on the "
+                    "first split and aggregated: p50 TTFT in 1 of 2 runs (median error 18%), p50 TPOT in 0 of 2 runs (median error 28%)")
     unmeasured = {"aggregated x3": [Run(1.5, (700.0, 770.0), (1.0, 1.0), (50.0, 55.0))]}  # saved before runs had these
     assert "in no run where a 5% slower machine" in prediction_errors(unmeasured)
     assert "once per kind" not in prediction_errors(unmeasured)
