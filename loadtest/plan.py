@@ -528,14 +528,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --front: for a TensorRT-LLM spec; on the CPU the planner measures the front itself")
     if a.instances is not None and a.instances < 2:
         raise SystemExit("error: --instances must be at least 2: one prefill and one decode instance")
-    if a.instances is not None and not (a.no_host or a.no_calibration):
+    calibrating = not (a.no_host or a.no_calibration)
+    if a.instances is not None and calibrating:
         splittable(a.config)  # refused before any work: each split of --instances is served to calibrate it
     a.out.mkdir(parents=True, exist_ok=True)
     spec, _ = compare_spec(a.config, a.out)  # every role built, aggregated as the crossover runs it
     build(spec, log=lambda line: print(f"build: {line}", flush=True))
     shared = {} if a.no_host else hosts(spec, a.out / "front")
     planner = Planner(profiles(spec), limits_of(spec), handoff(spec), shared, orchestrators=orchestrators_of(spec))
-    if not (a.no_host or a.no_calibration):
+    if calibrating:
         planner = calibrated(planner, spec, workload_path, a.out / "calibration")
     instances = a.instances or spec.roles["prefill"].instances + spec.roles["decode"].instances
     for kind, host in shared.items():
@@ -547,14 +548,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {role} steps: decode at 1k-token contexts, ms by batch {decode}; with prompt tokens {q.base_s * 1e3:.2f} ms + "
               f"{q.per_token_s * 1e6:.0f} us/token + {q.per_attended_s * 1e9:.2f} ns/attended token (fit within {model.fit_error:.0%})")
     traffic = traffic_of(workload, a.rate)
+    calibrated_on = tuple(deployment_of(spec, kind) for kind in ROLES)
     planners = {d: planner for d in deployments(instances, "aggregated" in planner.steps)}
-    if not (a.no_host or a.no_calibration):
-        planners = calibrated_each(planner, a.config, instances, workload_path, a.out / "deployments",
-                                   tuple(deployment_of(spec, kind) for kind in ROLES))
+    if calibrating:
+        planners = calibrated_each(planner, a.config, instances, workload_path, a.out / "deployments", calibrated_on)
     print(f"plan: workload {workload.name} at {traffic.rate:g} req/s, SLO TTFT <= {workload.ttft_slo_ms:g} ms, "
           f"TPOT <= {workload.tpot_slo_ms:g} ms; {instances} engine instances", flush=True)
     print_plan(ranked(planners, traffic), instances, traffic)
-    if line := once_per_kind(planner, planners, tuple(deployment_of(spec, kind) for kind in ROLES), traffic):
+    if line := once_per_kind(planner, planners, calibrated_on, traffic):
         print(line)
     if a.check:
         check(planner, workload, a.check)
