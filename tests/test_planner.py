@@ -17,7 +17,7 @@ from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrator
 from disagg.spec import load_spec
 from loadtest.compare import compare_spec
 from loadtest.plan import (
-    CALIBRATION_REQUESTS, LOAD_REQUESTS, ROLES, calibrated, calibrated_each, check, decode_factor, deployment_of, fitted_at_load, front_s_per_token, limits_of, once_per_kind, per_sequence_cost, predicted_run, profiles, replayed, split_spec, traffic_of,
+    CALIBRATION_REQUESTS, LOAD_REQUESTS, ROLES, calibrated, calibrated_each, check, confirmed, decode_factor, deployment_of, fitted_at_load, front_s_per_token, limits_of, once_per_kind, per_sequence_cost, predicted_run, profiles, replayed, split_spec, traffic_of,
 )
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import WORKLOAD_DIR, load_workload, workload_variant
@@ -245,7 +245,9 @@ def test_each_deployment_keeps_the_planner_where_calibrating_it_at_load_would_ch
 @pytest.mark.e2e
 def test_a_deployment_not_calibrated_on_is_built_served_and_calibrated_at_load_on_itself(cpu_tiny_project, tmp_path, capsys):
     """The one split of three instances the planner was not calibrated on gets a repository of its own, serves
-    the workload's requests at its predicted goodput, and a planner whose decode work is fitted to them."""
+    the workload's requests at its predicted goodput, and a planner whose decode work is fitted to them. Its steps
+    profiled 100 ms where cpu-tiny's take about 2, the factor comes out at its bound, x0.50, far from x1: served
+    again, on arrivals drawn anew, before it is believed."""
     workload, _ = workload_variant(WORKLOAD_DIR / "quick.yaml", tmp_path, "short", prompt_tokens=[{"weight": 1.0, "min": 8, "max": 16}],
                                    output_tokens=[{"weight": 1.0, "min": 8, "max": 16}], shared_prefix={"fraction": 0.0},
                                    slo={"ttft_ms": 2000, "tpot_ms": 200})
@@ -258,12 +260,16 @@ def test_a_deployment_not_calibrated_on_is_built_served_and_calibrated_at_load_o
         planners = calibrated_each(planner, Path("configs/cpu-tiny.yaml"), 3, workload, tmp_path,
                                    (Deployment(prefill=1, decode=2), Deployment(aggregated=3)))
     assert {d for d, p in planners.items() if p is planner} == {Deployment(prefill=1, decode=2), Deployment(aggregated=3)}
-    samples = read_samples([next((tmp_path / "prefillx2-decodex1" / "calibration" / "samples").glob("disaggregated-*.jsonl"))])
+    samples = read_samples([next((tmp_path / "prefill2-decode1" / "calibration" / "samples").glob("disaggregated-*.jsonl"))])
     assert len(samples) == LOAD_REQUESTS and sum(s.ok for s in samples) >= LOAD_REQUESTS - 2
     factor = planners[fitted].steps["decode"].decode_s(1, 16) / slow.decode_s(1, 16)
     assert factor != pytest.approx(1.0) and planners[fitted].steps["prefill"] == slow  # prompts as profiled, decode work refitted
     assert (tmp_path / "prefill2-decode1" / "model_repository").is_dir() and not (tmp_path / "prefill1-decode2").exists()
-    assert f"plan: calibration, prefill x2 + decode x1: {LOAD_REQUESTS} requests at" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.count(f"plan: calibration, prefill x2 + decode x1: {LOAD_REQUESTS} requests at") == 2  # x0.50, the bound: again
+    again = read_samples([next((tmp_path / "prefill2-decode1" / "calibration" / "again1" / "samples").glob("disaggregated-*.jsonl"))])
+    assert len(again) == LOAD_REQUESTS and [s.prompt_tokens for s in again] != [s.prompt_tokens for s in samples]  # drawn anew
+    assert "decode work x0.50, the median of x0.50, x0.50 (a factor outside x0.83-x1.20" in out
 
 
 def test_goodput_is_zero_where_no_rate_meets_the_slos():
@@ -447,6 +453,23 @@ def test_calibration_at_load_finds_the_factor_decode_work_was_served_with():
     assert factor == pytest.approx(1.3, abs=0.01)
     assert simulated == pytest.approx(measured, rel=0.01)
     assert decode_factor(truth, deployment, "decode", samples)[0] == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("runs, factor", [
+    ((1.15,), 1.15),  # near x1: believed
+    ((0.80, 0.76), 0.78),  # far, and found again: the mean of the two
+    ((1.86, 1.05, 1.12), 1.12),  # far, then not: a third, and the median
+    ((1.40, 1.20, 1.45), 1.40),
+])
+def test_a_factor_at_load_far_from_one_is_served_again_before_it_is_believed(runs, factor):
+    served = []
+
+    def factor_of_run(n: int) -> float:
+        served.append(n)
+        return runs[n]
+
+    found, factors = confirmed(factor_of_run)
+    assert found == pytest.approx(factor) and factors == list(runs) and served == list(range(len(runs)))
 
 
 def test_calibration_at_load_leaves_engines_that_do_not_share_the_cores_as_they_are(tmp_path):
