@@ -246,14 +246,14 @@ def test_each_deployment_keeps_the_planner_where_calibrating_it_at_load_would_ch
 def test_a_deployment_not_calibrated_on_is_built_served_and_calibrated_at_load_on_itself(cpu_tiny_project, tmp_path, capsys):
     """The one split of three instances the planner was not calibrated on gets a repository of its own, serves
     the workload's requests at its predicted goodput, and a planner whose decode work is fitted to them. Its steps
-    profiled 100 ms where cpu-tiny's take about 2, the factor comes out at its bound, x0.50, far from x1: served
+    profiled 40 ms where cpu-tiny's take about 2, the factor comes out at its bound, x0.50, far from x1: served
     again, on arrivals drawn anew, before it is believed."""
     workload, _ = workload_variant(WORKLOAD_DIR / "quick.yaml", tmp_path, "short", prompt_tokens=[{"weight": 1.0, "min": 8, "max": 16}],
                                    output_tokens=[{"weight": 1.0, "min": 8, "max": 16}], shared_prefix={"fraction": 0.0},
                                    slo={"ttft_ms": 2000, "tpot_ms": 200})
     hosts = {kind: Host(cores=2, front_s_per_token=0.2 * MS) for kind in ROLES}
     limits = {role: EngineLimits(8, 256, True, 16) for role in ("prefill", "decode", "aggregated")}
-    slow = StepModel(DecodeTable((1,), (100 * MS,), (0.0,)), Linear(100 * MS, 0.0, 0.0), 0.0)  # a few req/s: 60 in seconds
+    slow = StepModel(DecodeTable((1,), (40 * MS,), (0.0,)), Linear(40 * MS, 0.0, 0.0), 0.0)  # about 16 req/s: 60 in 4 s
     planner = Planner({"prefill": slow, "decode": slow, "aggregated": slow}, limits, lambda n: 0.0, hosts)
     fitted = Deployment(prefill=2, decode=1)
     with contextlib.chdir(cpu_tiny_project):
