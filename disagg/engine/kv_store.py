@@ -8,7 +8,7 @@ names the deployment, so its sweep removes them), each one block's KV in the han
 (disagg.engine.kv_wire.SequenceKV), token-major: an importer of another TP/PP layout or block size
 converts it as a decode engine converts a handoff (disagg.engine.engine assembles its own blocks from
 the publisher's). Writers never clash: a block is written to a private temporary file
-and renamed into place, and two writers of one hash write the same bytes. Bounded by bytes: a write that
+and renamed into place (disagg.atomic_file), and two writers of one hash write the same bytes. Bounded by bytes: a write that
 takes the store over `capacity_bytes` removes the least recently used blocks (a read refreshes a block's
 time) until it fits again; with a tier `below` (a directory on disk, for capacity), they move down to it
 instead, and a block found only there moves back up when read. The disk tier outlives the deployment, so
@@ -17,9 +17,9 @@ the caller names its directory by the model's weights: other weights never read 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
+from disagg.atomic_file import replace_file
 from disagg.engine.kv_wire import KVFormatError, SequenceKV
 
 
@@ -82,10 +82,7 @@ class KVStore:
             return None
 
     def _write(self, size: int, block_hash: int, raw: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{self.prefix}tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-        os.replace(tmp, self._path(size, block_hash))
+        replace_file(self._path(size, block_hash), raw)
         self.written += 1
         self._fit()
 

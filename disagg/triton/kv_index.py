@@ -8,11 +8,12 @@ same: how long a prefix of this prompt does each instance already hold.
 """
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 
 import numpy as np
 
+from disagg.atomic_file import replace_file
 from disagg.triton.load_board import board_dir
 
 
@@ -22,17 +23,9 @@ def _path(key: str, model: str, instance: str) -> Path:
 
 def publish(key: str, model: str, instance: str, tokens_per_block: int, hashes: np.ndarray) -> None:
     """Replaces the instance's index: [tokens_per_block, hash, hash, ...] as uint64."""
-    path = _path(key, model, instance)
-    tmp = _tmp_path(path)
-    with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to a name without it
-        np.save(f, np.concatenate([np.asarray([tokens_per_block], dtype=np.uint64), hashes.astype(np.uint64)]))
-    os.replace(tmp, path)
-
-
-def _tmp_path(path: Path) -> Path:
-    """Where an index is written before it replaces `path`: a name the readers' "*.npy" does not match, since
-    one read half-written (a reader once did, "EOFError: No data left in file") would fail the request."""
-    return path.with_name(path.name + ".tmp")
+    index = io.BytesIO()
+    np.save(index, np.concatenate([np.asarray([tokens_per_block], dtype=np.uint64), hashes.astype(np.uint64)]))
+    replace_file(_path(key, model, instance), index.getvalue())
 
 
 def withdraw(key: str, model: str, instance: str) -> None:

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from pathlib import Path
 
+from disagg.atomic_file import replace_file
+
 STALE_S = 2.0
 
 
@@ -135,10 +137,8 @@ def _path(key: str, model: str, instance: str) -> Path:
 
 def publish(key: str, model: str, instance: str, in_flight: int, free_blocks: int, **more: int) -> None:
     """`more`: Load's other counts (scheduled, in_context, active, held, blocks_total, max_batch_size)."""
-    path = _path(key, model, instance)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(Load(in_flight, free_blocks, time.time(), os.getpid(), **more))))
-    os.replace(tmp, path)
+    load = Load(in_flight, free_blocks, time.time(), os.getpid(), **more)
+    replace_file(_path(key, model, instance), json.dumps(asdict(load)).encode())
 
 
 def entries(key: str, model: str | None = None) -> list[Entry]:
@@ -256,7 +256,4 @@ def restarts(key: str) -> dict[str, int]:
 def count_restart(key: str, model: str) -> None:
     counts = restarts(key)
     counts[model] = counts.get(model, 0) + 1
-    path = _restarts_path(key)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(counts))
-    os.replace(tmp, path)
+    replace_file(_restarts_path(key), json.dumps(counts).encode())

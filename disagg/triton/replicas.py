@@ -17,7 +17,6 @@ their streams until they end).
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.atomic_file import replace_file
 from disagg.serve import metrics
 
 REFRESH_S = 0.25  # membership and load, read again this often
@@ -206,7 +206,5 @@ def announce(directory: str | Path, replica: Replica) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / (re.sub(r"[^A-Za-z0-9.]+", "_", replica.grpc) + ".json")
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"grpc": replica.grpc, "metrics": replica.metrics}))
-    os.replace(tmp, path)
+    replace_file(path, json.dumps({"grpc": replica.grpc, "metrics": replica.metrics}).encode())
     return path
