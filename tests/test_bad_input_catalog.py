@@ -53,10 +53,12 @@ def test_each_bad_request_gets_its_error_and_disturbs_nothing(server):
     assert stream(server.grpc_url, "ensemble", "Call me Ishmael.", 200, end_id=NO_END_ID).text == expected["ensemble"]
 
 
-def test_a_refused_request_leaves_the_ensemble_free_to_unload(cpu_tiny_project, start_triton):
+def test_a_refused_request_leaves_the_ensemble_free_to_unload(server, cpu_tiny_project, start_triton):
     """The project's clients do not cancel a stream whose request was refused (an error is its final
     response): Triton 2.51 would keep the ensemble loaded, and the next stop would wait out the whole exit
-    timeout for it (README, Known problems)."""
+    timeout for it (README, Known problems). On a fresh server: the module's is stopped first, since a second
+    server of one repository on one load board is refused."""
+    server.stop()
     server = start_triton(cpu_tiny_project / "model_repository")
     refused_by_triton = next(b for b in CATALOG if b.name == "max_tokens of the wrong dtype")
     send(refused_by_triton, server.http_url, server.grpc_url, server.internal_key)

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -84,3 +88,30 @@ def test_a_started_view_reads_the_board_on_its_own_thread_while_it_is_asked(boar
     assert sorted(e.instance for e in view.entries("decode")) == ["decode_0", "decode_1"]
     view.entries("decode")
     assert readers == ["MainThread"]
+
+
+ANOTHER_SERVER = """
+import subprocess, sys
+stub = subprocess.Popen([sys.executable, "-c", "import time\\nfrom disagg.triton import load_board\\n"
+                         "while True:\\n    load_board.publish('k', 'prefill', 'prefill_0_0', 0, 8)\\n    time.sleep(0.05)"])
+stub.wait()
+"""
+
+
+def test_an_instance_another_live_server_publishes_is_found_and_its_own_or_a_dead_ones_is_not(board):
+    """Another process tree (a server and its stub) publishing under the instance's name is named by its server's pid;
+    an entry of this process's own server, a stale one or a dead process's is not another server's."""
+    server = subprocess.Popen([sys.executable, "-c", ANOTHER_SERVER], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while load_board.served_elsewhere("k", "prefill", "prefill_0_0") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert load_board.served_elsewhere("k", "prefill", "prefill_0_0") == server.pid
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    time.sleep(0.2)  # the stub, killed with its group, is reaped by init
+    assert load_board.served_elsewhere("k", "prefill", "prefill_0_0") is None  # no live process
+    load_board.publish("k", "prefill", "prefill_0_0", 0, 8)  # this process: its parent is ours
+    assert load_board.served_elsewhere("k", "prefill", "prefill_0_0") is None
+    assert load_board.served_elsewhere("k", "decode", "decode_0_0") is None  # nothing published

@@ -130,6 +130,12 @@ class TritonPythonModel:
         self.transport = model_param(args, "kv_transfer_backend")
         self.instance = args["model_instance_name"]
         self.board_key = load_board.board_key(repository_root(args))
+        other = load_board.served_elsewhere(self.board_key, self.name, self.instance)
+        if other is not None:
+            raise pb_utils.TritonModelException(
+                f"{self.instance}: tritonserver pid {other} already serves this model repository with the same load board "
+                f"({load_board.board_dir()}): the two would read and overwrite each other's load and KV pools. Give this "
+                f"server a board of its own: {load_board.BOARD_ENV}=<a directory of its own>")
         self.internal_key = credential.internal_key(self.board_key)
         self.pool = None
         if self.role == "prefill" and self.transport == "shm":

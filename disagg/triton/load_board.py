@@ -141,6 +141,22 @@ def publish(key: str, model: str, instance: str, in_flight: int, free_blocks: in
     replace_file(_path(key, model, instance), json.dumps(asdict(load)).encode())
 
 
+def served_elsewhere(key: str, model: str, instance: str) -> int | None:
+    """The tritonserver that serves `model`'s `instance` on this board from another process tree, if one does: its
+    entry is fresh and was published by a live process whose parent (its server) is not ours. Two servers started from
+    one repository without boards of their own would read and overwrite each other's load and liveness, and the second
+    would remove the first's KV pools as a killed predecessor's. A predecessor whose server was killed has no live
+    process, or one that init adopted (parent 1)."""
+    try:
+        load = Load(**json.loads(_read_small(str(_path(key, model, instance)))))
+    except (OSError, ValueError, TypeError):
+        return None
+    server = parent_pid(load.pid)
+    if time.time() - load.updated >= STALE_S or not pid_alive(load.pid) or server in (None, 1, parent_pid(os.getpid())):
+        return None
+    return server
+
+
 def entries(key: str, model: str | None = None) -> list[Entry]:
     """What every instance of `model` (None: of every model) last published. Names hold no "-", so a
     file's name splits into model and instance there."""
