@@ -17,6 +17,7 @@ from pathlib import Path
 def replace_file(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a registry entry from an orchestrator run by another user
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

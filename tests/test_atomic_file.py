@@ -31,3 +31,4 @@ def test_writers_of_one_file_at_once_never_fail_and_a_reader_sees_whole_versions
     assert errors == []
     assert seen <= versions and path.read_bytes() in versions
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by every reader, as a file written in place would be
