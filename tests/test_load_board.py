@@ -92,26 +92,40 @@ def test_a_started_view_reads_the_board_on_its_own_thread_while_it_is_asked(boar
 
 ANOTHER_SERVER = """
 import subprocess, sys
-stub = subprocess.Popen([sys.executable, "-c", "import time\\nfrom disagg.triton import load_board\\n"
+stub = subprocess.Popen([sys.argv[1], "-c", "import time\\nfrom disagg.triton import load_board\\n"
                          "while True:\\n    load_board.publish('k', 'prefill', 'prefill_0_0', 0, 8)\\n    time.sleep(0.05)"])
 stub.wait()
 """
 
 
-def test_an_instance_another_live_server_publishes_is_found_and_its_own_or_a_dead_ones_is_not(board):
-    """Another process tree (a server and its stub) publishing under the instance's name is named by its server's pid;
-    an entry of this process's own server, a stale one or a dead process's is not another server's."""
-    server = subprocess.Popen([sys.executable, "-c", ANOTHER_SERVER], start_new_session=True)
+def _published_by_a_stub_of(command: str) -> tuple[int | None, int]:
+    """What served_elsewhere finds once a process run as `command` has a stub publishing prefill_0_0, and that process."""
+    server = subprocess.Popen([command, "-c", ANOTHER_SERVER, sys.executable], start_new_session=True)
     try:
         deadline = time.monotonic() + 10
-        while load_board.served_elsewhere("k", "prefill", "prefill_0_0") is None and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            entry = next((e for e in load_board.entries("k", "prefill") if e.load.pid != os.getpid()), None)
+            if entry is not None and load_board.parent_pid(entry.load.pid) == server.pid:
+                return load_board.served_elsewhere("k", "prefill", "prefill_0_0"), server.pid
             time.sleep(0.05)
-        assert load_board.served_elsewhere("k", "prefill", "prefill_0_0") == server.pid
+        raise AssertionError(f"no stub of {command} published within 10 s")
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def test_an_instance_another_live_server_publishes_is_found_and_its_own_or_a_dead_ones_is_not(board):
+    """Another process tree (a tritonserver and its stub) publishing under the instance's name is named by its server's
+    pid; an entry of this process's own parent, a dead process's, or one whose parent is no tritonserver is not another
+    server's."""
+    tritonserver = board / "tritonserver"  # a server is known by its command's name
+    tritonserver.symlink_to(sys.executable)
+    found, server = _published_by_a_stub_of(str(tritonserver))
+    assert found == server
     time.sleep(0.2)  # the stub, killed with its group, is reaped by init
     assert load_board.served_elsewhere("k", "prefill", "prefill_0_0") is None  # no live process
+    found, _ = _published_by_a_stub_of(sys.executable)
+    assert found is None  # its parent is not a tritonserver
     load_board.publish("k", "prefill", "prefill_0_0", 0, 8)  # this process: its parent is ours
     assert load_board.served_elsewhere("k", "prefill", "prefill_0_0") is None
     assert load_board.served_elsewhere("k", "decode", "decode_0_0") is None  # nothing published

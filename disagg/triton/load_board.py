@@ -146,7 +146,7 @@ def served_elsewhere(key: str, model: str, instance: str) -> int | None:
     entry is fresh and was published by a live process whose parent (its server) is not ours. Two servers started from
     one repository without boards of their own would read and overwrite each other's load and liveness, and the second
     would remove the first's KV pools as a killed predecessor's. A predecessor whose server was killed has no live
-    process, or one that init adopted (parent 1)."""
+    process, or one that init or a subreaper adopted (a parent that is not a tritonserver)."""
     try:
         load = Load(**json.loads(_read_small(str(_path(key, model, instance)))))
     except (OSError, ValueError, TypeError):
@@ -154,7 +154,10 @@ def served_elsewhere(key: str, model: str, instance: str) -> int | None:
     server = parent_pid(load.pid)
     if time.time() - load.updated >= STALE_S or not pid_alive(load.pid) or server in (None, 1, parent_pid(os.getpid())):
         return None
-    return server
+    try:  # a stub another process adopted (a subreaper) has outlived its server, and is about to exit
+        return server if _read_small(f"/proc/{server}/comm").strip() == b"tritonserver" else None
+    except OSError:
+        return None
 
 
 def entries(key: str, model: str | None = None) -> list[Entry]:
