@@ -147,16 +147,23 @@ def served_elsewhere(key: str, model: str, instance: str) -> int | None:
     one repository without boards of their own would read and overwrite each other's load and liveness, and the second
     would remove the first's KV pools as a killed predecessor's. A predecessor whose server was killed has no live
     process, or one that init or a subreaper adopted (a parent that is not a tritonserver)."""
-    try:
-        load = Load(**json.loads(_read_small(str(_path(key, model, instance)))))
-    except (OSError, ValueError, TypeError):
+    entry = _entry(str(_path(key, model, instance)), model, instance)
+    if entry is None or not entry.fresh or not entry.process_alive:
         return None
-    server = parent_pid(load.pid)
-    if time.time() - load.updated >= STALE_S or not pid_alive(load.pid) or server in (None, 1, parent_pid(os.getpid())):
+    server = parent_pid(entry.load.pid)
+    if server in (None, 1, os.getppid()):
         return None
     try:  # a stub another process adopted (a subreaper) has outlived its server, and is about to exit
         return server if _read_small(f"/proc/{server}/comm").strip() == b"tritonserver" else None
     except OSError:
+        return None
+
+
+def _entry(path: str, model: str, instance: str) -> Entry | None:
+    """The entry at `path`; None where there is none, or it is being replaced right now, or is not ours."""
+    try:
+        return Entry(model, instance, Load(**json.loads(_read_small(path))))
+    except (OSError, ValueError, TypeError):
         return None
 
 
@@ -172,10 +179,9 @@ def entries(key: str, model: str | None = None) -> list[Entry]:
         owner, instance = name[len(ours):-len(".json")].split("-", 1)
         if model and owner != model:
             continue  # a model whose name starts with `model`, e.g. decode_1 for decode
-        try:
-            found.append(Entry(owner, instance, Load(**json.loads(_read_small(path)))))
-        except (OSError, ValueError, TypeError):
-            continue  # being replaced right now, or not ours
+        entry = _entry(path, owner, instance)
+        if entry is not None:
+            found.append(entry)
     return found
 
 
