@@ -17,16 +17,24 @@ from disagg.triton.engine_stream import EngineServer, infer_request
 
 class FakeEngine(service_pb2_grpc.GRPCInferenceServiceServicer):
     """Answers each request with `count` token responses (token = its index) and an empty final one, all
-    requests' responses interleaved; a request for model "bad" gets one error response instead."""
+    requests' responses interleaved; a request for model "bad" gets one error response instead, and one for
+    a model it does not have the error Triton gives (`opened` counts those as first requests of a stream)."""
 
     def __init__(self):
         self.hold = threading.Event()  # set: answer; clear: hold every response back
         self.hold.set()
         self.seen: queue.SimpleQueue = queue.SimpleQueue()
+        self.opened = 0
 
     def ModelStreamInfer(self, request_iterator, context):
         pending = []
-        for request in request_iterator:
+        for i, request in enumerate(request_iterator):
+            if request.model_name not in ("m", "bad"):
+                self.opened += i == 0
+                yield service_pb2.ModelStreamInferResponse(
+                    error_message=f"[request id: {request.id}] Request for unknown model: '{request.model_name}' is not found",
+                    infer_response=service_pb2.ModelInferResponse(id=request.id))
+                continue
             self.seen.put(request)
             if request.model_name == "bad":
                 yield service_pb2.ModelStreamInferResponse(
@@ -103,6 +111,17 @@ def test_interleaved_responses_reach_their_own_request(engine):
     assert [int(ids[0, 0]) for ids, _, _ in got_b[:-1]] == [0, 1, 2, 3, 4]
     assert got_a[-1] == (None, None, True) and got_b[-1] == (None, None, True)
     assert stream.in_flight() == 0  # a final response drops its handler
+
+
+def test_a_stream_opens_with_a_request_that_no_handler_claims(engine):
+    """The opening keeps the stream's first real request from being the one Triton holds until the stream ends."""
+    fake, _, client = engine
+    stream = client.shared()
+    answer = Collector()
+    stream.send(_request("first", 0), answer)
+    assert answer.all() == [(None, None, True)]
+    assert fake.opened == 1 and fake.seen.get(timeout=5).id == "first"
+    assert stream.broken is None and stream.in_flight() == 0
 
 
 def test_the_request_is_sent_as_tritonclient_sends_it(engine):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 import yaml
 
 from disagg.cli import main
@@ -59,3 +60,35 @@ def test_a_model_of_three_instances_publishes_the_backend_gauges_once_and_stops_
         log = server.log_path.read_text()
         assert "successfully unloaded 'aggregated_engine'" in log, log[-3000:]
         assert not re.search(r"Signal \((?!15\))", log) and "malloc" not in log, log[-3000:]
+
+
+def _stubs_of(repository: Path, model: str) -> list[int]:
+    """The running Python backend stubs of `model` (a stub's first argument is its model's path)."""
+    prefix = f"{repository.resolve()}/{model}/".encode()
+    stubs = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 1 and argv[1].startswith(prefix):
+            stubs.append(int(proc.name))
+    return stubs
+
+
+def test_an_engine_model_unloads_while_the_orchestrator_s_stream_to_it_stays_open(repository, start_triton):
+    """The orchestrator keeps one gRPC stream per engine server open; Triton holds a stream's first request,
+    and so its model, until the stream ends (disagg.triton.engine_stream). An engine model unloaded through the
+    repository API (as the watchdog reloads one) must still let its instances go."""
+    with contextlib.chdir(repository.parent):
+        _, models = deployment_models(load_spec(Path("configs/cpu-tiny.yaml")), "aggregated")
+    server = start_triton(repository, "--model-control-mode=explicit", *(f"--load-model={m}" for m in models))
+    assert stream(server.grpc_url, "aggregated", "Call me Ishmael.", 8).text  # opens the orchestrator's stream
+    assert len(_stubs_of(repository, "aggregated_engine")) == INSTANCES
+    grpcclient.InferenceServerClient(server.grpc_url).unload_model("aggregated_engine")
+    deadline = time.monotonic() + 5
+    while (left := _stubs_of(repository, "aggregated_engine")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], "the unloaded engine's stubs still run while the orchestrator's stream is open"
+    assert "successfully unloaded 'aggregated_engine'" in server.log_path.read_text()
+    assert server.stop() == 0

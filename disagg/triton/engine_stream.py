@@ -7,6 +7,14 @@ the server too), so one long-lived stream per engine server can carry every hop 
 instance. A request id must be unique among the requests in flight on one stream: a `stop`, which names
 the request it stops by that request's id, goes over a stream of its own (`EngineServer.open`).
 
+Every stream opens with a request for a model no server has (`OPENING`). Triton 2.51 reads a stream's first
+request into the state that waits for the stream's end (server src/grpc/stream_infer_handler.cc, step START),
+so that request, and through it its model, stays referenced until the stream closes. A stream whose first hop
+went to prefill kept prefill loaded until the orchestrator closed the stream in its own `finalize`: every stop
+of a deployment took a second longer, and prefill unloaded through the repository API (as the watchdog reloads
+a model) kept its stubs running for as long as the stream stayed open (tests/test_engine_unload.py). A request
+for an unknown model is refused before a request object is made, so the opening pins nothing.
+
 There is no per-request cancellation on a shared stream (a gRPC cancel ends the whole stream): a request
 cut short is ended with `stop`, which the orchestrator does anyway, since cancelled gRPC streams are what
 crashed Triton 2.51 servers under load (README, Known problems).
@@ -25,6 +33,9 @@ from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
 # The message size bound tritonclient sets on its channels (Triton's MAX_GRPC_MESSAGE_SIZE).
 MAX_MESSAGE = 2**31 - 1
+# The stream's first request (see the module's docstring): refused by every server, answered with an error
+# that no handler claims.
+OPENING = service_pb2.ModelInferRequest(model_name="disagg-stream-opening", id="disagg-stream-opening")
 # on_response(result, error, final): result is None exactly when error (a message) is set; an error is final.
 OnResponse = Callable[[InferResult | None, str | None, bool], None]
 
@@ -52,6 +63,7 @@ class EngineStream:
 
     def __init__(self, channel: grpc.Channel, name: str):
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests.put(OPENING)
         self._handlers: dict[str, OnResponse] = {}
         self._lock = threading.Lock()
         self.broken: str | None = None
