@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from disagg.triton.load_board import parent_pid
+from disagg.triton.load_board import parent_pid, pid_alive, process_group
 
 SHM = Path("/dev/shm")
 _BACKEND_REGION = "triton_python_backend_shm_region_"
@@ -158,23 +158,33 @@ def sweep_workdirs(tmp_dir: Path = TMP, grace_s: float = WORKDIR_GRACE_S, in_use
 
 def end_server(pid: int, key: str, since: set[str] | None, regions_only: bool, workdir: Path | None) -> None:
     """SIGKILLs server `pid`'s whole process group (its stubs outlive a server that crashed or was killed),
-    waits up to 5 s for the group to be gone (a dying stub still maps its region), then removes what the
+    waits up to 5 s until nothing of the group runs (a dying stub still maps its region), then removes what the
     server left: its shared memory (`sweep`), the backend's environment directories, its work directory."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            os.killpg(pid, 0)
-            time.sleep(0.05)
+    deadline = time.monotonic() + 5.0
+    while group_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sweep(key, since=since, regions_only=regions_only)
     sweep_python_envs()
     if workdir is not None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _pids() -> Iterator[int]:
+    return (int(p.name) for p in Path("/proc").glob("[0-9]*"))
+
+
 def children_of(ppid: int) -> list[int]:
     """The processes whose parent is `ppid` (1: those init adopted)."""
-    return [pid for pid in (int(p.name) for p in Path("/proc").glob("[0-9]*")) if parent_pid(pid) == ppid]
+    return [pid for pid in _pids() if parent_pid(pid) == ppid]
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. Its zombies do not count: a zombie maps nothing, and
+    one that init adopted (a stub's helper process that outlived the stub) stays until init reaps it,
+    which took up to 1.2 s here."""
+    return any(process_group(pid) == pgid and pid_alive(pid) for pid in _pids())
 
 
 def end_orphan_stubs(model_repository: Path) -> list[int]:

@@ -105,6 +105,12 @@ def parent_pid(pid: int) -> int | None:
     return None if fields is None else int(fields[1])
 
 
+def process_group(pid: int) -> int | None:
+    """Process `pid`'s process group; None when there is no such process."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[2])
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (a killed stub stays one until Triton reaps it)."""
     return process_state(pid) not in (None, "Z")
