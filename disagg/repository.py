@@ -91,6 +91,11 @@ def python_model(name: str, template: str, module: str, **context) -> Model:
     return Model(name, render_template(template, name=name, **context), f"disagg.triton.{module}")
 
 
+def instance_count(config: model_config_pb2.ModelConfig) -> int:
+    """How many instances Triton runs of a model (an instance group without a count runs one)."""
+    return sum(g.count or 1 for g in config.instance_group) or 1
+
+
 def parse_config(model: str, text: str) -> model_config_pb2.ModelConfig:
     """Parses `text` as Triton's ModelConfig; RenderError names the model on any problem."""
     if "${" in text:

@@ -267,6 +267,29 @@ def test_the_server_command_collects_cpu_metrics_every_250_ms_unless_given_an_in
     assert intervals("--metrics-interval-ms=5000") == ["--metrics-interval-ms=5000"]
 
 
+def test_the_exit_timeout_grows_with_the_instances_of_the_largest_python_model(tmp_path):
+    """The Python backend unloads a model's instances one after another, 1.2 s apiece here: a stop of a model
+    of five did not fit in 5 s, and tritonserver gave up on it and exited with 1."""
+    from disagg.serve.server import ServerInstall, serial_unload_s
+
+    def model(name: str, backend: str, groups: str, repository: Path = tmp_path) -> None:
+        (repository / name).mkdir(parents=True)
+        (repository / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "{backend}"\n{groups}')
+
+    model("engine", "python", "instance_group [ { count: 3 kind: KIND_CPU }, { kind: KIND_CPU } ]")  # 4 instances
+    model("one", "python", "")
+    model("onnx", "onnxruntime", "instance_group [ { count: 8 kind: KIND_CPU } ]")  # not the Python backend's
+    model("one", "python", "instance_group [ { count: 1 kind: KIND_CPU } ]", tmp_path / "single")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.pbtxt").write_text("not a config")
+    assert serial_unload_s(tmp_path) == 5  # 1.5 s for each of the three instances after the first
+    server = TritonServer(tmp_path, http_port=1, grpc_port=2, metrics_port=3)
+    server.install = ServerInstall(Path("tritonserver"), None, {}, "test")
+    assert server.exit_timeout_s == 10 and "--exit-timeout-secs=10" in server.command()
+    assert TritonServer(tmp_path, exit_timeout_s=None, http_port=1, grpc_port=2, metrics_port=3).exit_timeout_s is None
+    assert TritonServer(tmp_path / "single", exit_timeout_s=5, http_port=1, grpc_port=2, metrics_port=3).exit_timeout_s == 5
+
+
 def test_a_replica_needs_a_load_board_of_its_own(monkeypatch, capsys, tmp_path):
     from disagg.serve.launcher import main
 

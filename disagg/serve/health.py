@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from disagg.repository import parse_config
+from disagg.repository import instance_count, parse_config
 from disagg.triton import load_board
 
 
@@ -30,7 +30,7 @@ def engine_models(model_repository: str | Path) -> list[EngineModel]:
         config = parse_config(path.parent.name, path.read_text())
         role = config.parameters.get("role")
         if config.backend == "python" and role is not None:
-            found.append(EngineModel(config.name, role.string_value, sum(g.count or 1 for g in config.instance_group) or 1))
+            found.append(EngineModel(config.name, role.string_value, instance_count(config)))
     return found
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import math
 import os
 import random
 import re
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from pathlib import Path
 
+from disagg.repository import RenderError, instance_count, parse_config
 from disagg.serve.guard import Orders
 from disagg.serve.leftovers import end_orphan_stubs, end_server, sweep, sweep_workdirs
 from disagg.serve.leftovers import names as shm_names
@@ -49,6 +51,24 @@ _SIGNAL_LINE = re.compile(rb"^Signal \((\d+)\) received\.")
 _OUTPUT_LOCK = threading.Lock()
 # Not `-m disagg.serve.guard`: this package's __init__ imports the guard first, and runpy warns of that.
 GUARD_MAIN = "from disagg.serve.guard import main; main()"
+# What each instance of a Python model beyond its first adds to a stop: the backend finalizes a model's
+# instances one after another, each after a 1-s sleep (python_backend r24.10, src/stub_launcher.cc
+# `UpdateHealth`, from `~ModelInstanceState`); 1.2 s apiece on this machine.
+SERIAL_UNLOAD_S = 1.5
+
+
+def serial_unload_s(model_repository: str | Path) -> int:
+    """Seconds a stop needs beyond one instance's unload for the repository's Python model with the most
+    instances (models unload side by side, a model's instances one after another)."""
+    most = 1
+    for path in Path(model_repository).glob("*/config.pbtxt"):
+        try:
+            config = parse_config(path.parent.name, path.read_text())
+        except (OSError, RenderError):
+            continue  # a model that cannot load holds nothing up at a stop
+        if config.backend == "python":
+            most = max(most, instance_count(config))
+    return math.ceil(SERIAL_UNLOAD_S * (most - 1))
 
 
 class ServerError(RuntimeError):
@@ -172,7 +192,9 @@ class TritonServer:
     server's default, all interfaces). `log_path`: file receiving the server's stdout and stderr (None:
     inherit ours). `extra_args` go to tritonserver unchanged (e.g. `--model-control-mode=explicit`).
     `exit_timeout_s`: `--exit-timeout-secs`, short by default because with a decoupled model loaded
-    shutdown otherwise waits up to 30 s (None: the server's default). `backend_dir`: a ready backend
+    shutdown otherwise waits up to 30 s (None: the server's default), plus `serial_unload_s` for a model of
+    several instances. Here a model of four instances unloaded 0.07 s before a 5-s timeout ran out, and one of
+    five did not (tritonserver gave up on it and exited with 1); with the allowance both stop cleanly. `backend_dir`: a ready backend
     directory; None prepares one for the bundled server. `env`: variables to add to its environment.
     `sweeps_deployment`: whether its start and stop remove the deployment's shared-memory objects
     (disagg.serve.leftovers); a server that is one of several of a deployment leaves that to whoever
@@ -224,7 +246,7 @@ class TritonServer:
         self.extra_args = tuple(extra_args)
         self.auto_complete = auto_complete
         self.log_path = Path(log_path) if log_path is not None else None
-        self.exit_timeout_s = exit_timeout_s
+        self.exit_timeout_s = None if exit_timeout_s is None else exit_timeout_s + serial_unload_s(model_repository)
         self.backend_dir = Path(backend_dir) if backend_dir is not None else None
         self.process: subprocess.Popen | None = None
         self.install: ServerInstall | None = None
