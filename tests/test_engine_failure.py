@@ -205,7 +205,9 @@ def test_a_killed_engine_server_is_started_again_and_the_main_server_stays_up(se
 
 def test_kill_9_of_the_server_leaves_nothing_in_shared_memory(served):
     """Last in this module: kills the main server. disagg-serve sweeps what the stubs left and starts it
-    again; after its own stop nothing is left either."""
+    again; after its own stop nothing is left either. No server waited for an HTTP connection: the
+    watchdog's, kept alive after a heal, held that engine's server for its whole exit timeout, after which
+    it gave up on its models."""
     key = board_key(served.repo)
     restarted = served.log.read_text().count("disagg-serve: tritonserver ready again")
     os.kill(served.main_pid(), signal.SIGKILL)
@@ -213,5 +215,8 @@ def test_kill_9_of_the_server_leaves_nothing_in_shared_memory(served):
     assert served.serves()
     served.proc.send_signal(signal.SIGTERM)
     served.proc.wait(60)
+    log = served.log.read_text()
+    assert "disagg-serve: prefill: reloaded" in log  # this module healed engines before
+    assert "HTTP service connections" not in log, log[-3000:]
     assert [p.name for p in deployment_objects(key)] == []
     assert not list(Path("/dev/shm").glob(f"disagg*{key}*"))

@@ -24,6 +24,7 @@ class RecordingClient:
     def __init__(self, loading: tuple[str, ...] = ()):
         self.calls: list[tuple[str, str]] = []
         self.not_ready = set(loading)
+        self.taken = self.closed = 0
 
     def is_server_live(self) -> bool:
         return True
@@ -38,6 +39,15 @@ class RecordingClient:
     def load_model(self, model: str) -> None:
         self.calls.append(("load", model))
         self.not_ready.discard(model)
+
+    def __call__(self, _model: str) -> RecordingClient:
+        """The watchdog's `client_for`: every client it takes must be closed (a kept-alive connection holds
+        the server's stop for its exit timeout)."""
+        self.taken += 1
+        return self
+
+    def close(self) -> None:
+        self.closed += 1
 
 
 @pytest.fixture()
@@ -72,13 +82,14 @@ def test_a_dead_instance_is_reloaded_once_and_a_running_one_is_left_alone(board)
     dead.kill()
     dead.wait()
     client, lines = RecordingClient(), []
-    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append).start()
+    dog = watchdog.Watchdog(KEY, client, log=lines.append).start()
     try:
         assert _until(lambda: ("load", "decode") in client.calls, 5), lines
         time.sleep(4 * watchdog.POLL_S)  # the same dead pid is not reloaded again
     finally:
         dog.stop()
     assert client.calls == [("unload", "decode"), ("load", "decode")]
+    assert client.taken == client.closed == 1
     assert running.poll() is None
     assert load_board.restarts(KEY) == {"decode": 1}
 
@@ -88,7 +99,7 @@ def test_a_stopped_instance_is_ended_after_the_limit_then_reloaded(board):
     stopped.send_signal(signal.SIGSTOP)
     client, lines = RecordingClient(), []
     began = time.monotonic()
-    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append).start()
+    dog = watchdog.Watchdog(KEY, client, log=lines.append).start()
     try:
         assert _until(lambda: stopped.poll() is not None, 5), lines
         ended_after = time.monotonic() - began
@@ -106,12 +117,13 @@ def test_a_dead_instance_of_a_model_its_server_is_loading_afresh_is_left_to_the_
     dead.kill()
     dead.wait()
     client, lines = RecordingClient(loading=("decode",)), []
-    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append).start()
+    dog = watchdog.Watchdog(KEY, client, log=lines.append).start()
     try:
         time.sleep(6 * watchdog.POLL_S)
     finally:
         dog.stop()
     assert client.calls == [] and lines == []
+    assert client.taken == client.closed > 0  # asked at every poll whether the model is ready
 
 
 def test_a_dead_entry_replaced_by_a_new_instance_before_its_model_is_ready_is_left_alone(board):
@@ -130,7 +142,7 @@ def test_a_dead_entry_replaced_by_a_new_instance_before_its_model_is_ready_is_le
             return super().is_model_ready(model)
 
     client, lines = Restarted(), []
-    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append).start()
+    dog = watchdog.Watchdog(KEY, client, log=lines.append).start()
     try:
         assert _until(lambda: client.replacement is not None, 5)
         time.sleep(4 * watchdog.POLL_S)
@@ -146,7 +158,7 @@ def test_a_dead_instance_whose_server_crashed_is_left_to_the_server_s_restart(bo
     dead.kill()
     dead.wait()
     client, lines = RecordingClient(), []
-    dog = watchdog.Watchdog(KEY, lambda _model: client, log=lines.append, crashed=lambda model: model == "decode").start()
+    dog = watchdog.Watchdog(KEY, client, log=lines.append, crashed=lambda model: model == "decode").start()
     try:
         assert _until(lambda: lines, 5)
         time.sleep(4 * watchdog.POLL_S)  # said once, not at every poll

@@ -220,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if servers.controlled:
         import tritonclient.http as httpclient
 
-        clients = {sup.server.http_url: httpclient.InferenceServerClient(sup.server.http_url) for sup in servers.supervised}
-        watchdog = Watchdog(servers.key, lambda model: clients[servers.server_of(model).http_url],
+        watchdog = Watchdog(servers.key, lambda model: httpclient.InferenceServerClient(servers.server_of(model).http_url),
                             log=lambda line: print(f"{_PREFIX} {line}", flush=True),
                             crashed=lambda model: servers.server_of(model).crashed_at is not None)
 

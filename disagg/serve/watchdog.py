@@ -109,6 +109,14 @@ class Watchdog:
             return
         client = self.client_for(entry.model)
         try:
+            self._reload(entry, h, client)
+        finally:
+            # A connection kept alive holds the server's stop for its whole exit timeout (tritonserver waits
+            # for its HTTP connections to close first), after which it gives up unloading its models.
+            client.close()
+
+    def _reload(self, entry: load_board.Entry, h: _History, client) -> None:
+        try:
             # A server that is down is restarted by its supervisor; one that is not ready with the model is
             # loading it afresh (a restarted server): the new instance replaces the dead entry.
             if not client.is_server_live() or not client.is_model_ready(entry.model):
