@@ -193,10 +193,10 @@ class TritonServer:
     inherit ours). `extra_args` go to tritonserver unchanged (e.g. `--model-control-mode=explicit`).
     `exit_timeout_s`: `--exit-timeout-secs`, short by default because with a decoupled model loaded
     shutdown otherwise waits up to 30 s (None: the server's default), plus `serial_unload_s` for a model of
-    several instances. Here a model of four instances unloaded 0.07 s before a 5-s timeout ran out, and one of
-    five did not (tritonserver gave up on it and exited with 1); with the allowance both stop cleanly. `backend_dir`: a ready backend
-    directory; None prepares one for the bundled server. `env`: variables to add to its environment.
-    `sweeps_deployment`: whether its start and stop remove the deployment's shared-memory objects
+    several instances. Here a model of four instances unloaded 0.07 s before a 5-s timeout ran out, and one
+    of five did not (tritonserver gave up on it and exited with 1); with the allowance both stop cleanly.
+    `backend_dir`: a ready backend directory; None prepares one for the bundled server. `env`: variables
+    to add to its environment. `sweeps_deployment`: whether its start and stop remove the deployment's shared-memory objects
     (disagg.serve.leftovers); a server that is one of several of a deployment leaves that to whoever
     runs them all, and removes only the Python-backend regions its own run left. `label`: with no
     `log_path`, the server's output is copied to ours line by line, each prefixed `[label] `, and a
