@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from disagg.cli import main
+from disagg.serve.leftovers import stubs_of
 from disagg.serve.metrics import scrape
 from disagg.spec import load_spec
 from loadtest.compare import deployment_models
@@ -62,20 +63,6 @@ def test_a_model_of_three_instances_publishes_the_backend_gauges_once_and_stops_
         assert not re.search(r"Signal \((?!15\))", log) and "malloc" not in log, log[-3000:]
 
 
-def _stubs_of(repository: Path, model: str) -> list[int]:
-    """The running Python backend stubs of `model` (a stub's first argument is its model's path)."""
-    prefix = f"{repository.resolve()}/{model}/".encode()
-    stubs = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 1 and argv[1].startswith(prefix):
-            stubs.append(int(proc.name))
-    return stubs
-
-
 def test_an_engine_model_unloads_while_the_orchestrator_s_stream_to_it_stays_open(repository, start_triton):
     """The orchestrator keeps one gRPC stream per engine server open; Triton holds a stream's first request,
     and so its model, until the stream ends (disagg.triton.engine_stream). An engine model unloaded through the
@@ -84,10 +71,10 @@ def test_an_engine_model_unloads_while_the_orchestrator_s_stream_to_it_stays_ope
         _, models = deployment_models(load_spec(Path("configs/cpu-tiny.yaml")), "aggregated")
     server = start_triton(repository, "--model-control-mode=explicit", *(f"--load-model={m}" for m in models))
     assert stream(server.grpc_url, "aggregated", "Call me Ishmael.", 8).text  # opens the orchestrator's stream
-    assert len(_stubs_of(repository, "aggregated_engine")) == INSTANCES
+    assert len(stubs_of(repository / "aggregated_engine")) == INSTANCES
     grpcclient.InferenceServerClient(server.grpc_url).unload_model("aggregated_engine")
     deadline = time.monotonic() + 5
-    while (left := _stubs_of(repository, "aggregated_engine")) and time.monotonic() < deadline:
+    while (left := stubs_of(repository / "aggregated_engine")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == [], "the unloaded engine's stubs still run while the orchestrator's stream is open"
     assert "successfully unloaded 'aggregated_engine'" in server.log_path.read_text()

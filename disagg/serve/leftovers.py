@@ -32,7 +32,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from disagg.triton.load_board import parent_pid, pid_alive, process_group
@@ -187,20 +187,29 @@ def group_running(pgid: int) -> bool:
     return any(process_group(pid) == pgid and pid_alive(pid) for pid in _pids())
 
 
-def end_orphan_stubs(model_repository: Path) -> list[int]:
-    """SIGKILLs Python backend stubs of `model_repository`'s models whose server is gone (parent: init).
-    Returns their process ids."""
-    prefix = f"{Path(model_repository).resolve()}/"
-    ended = []
-    for pid in children_of(1):
+def stubs_of(models: Path, among: Iterable[int] | None = None) -> list[int]:
+    """The Python backend stubs (among `among`, by default every process) of the models under `models`: a
+    repository, or one model's directory. A stub's first argument is its model's path."""
+    prefix = f"{Path(models).resolve()}/"
+    found = []
+    for pid in _pids() if among is None else among:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].decode(errors="replace").startswith(prefix):
-            try:
-                os.kill(pid, signal.SIGKILL)
-                ended.append(pid)
-            except ProcessLookupError:
-                pass
+            found.append(pid)
+    return found
+
+
+def end_orphan_stubs(model_repository: Path) -> list[int]:
+    """SIGKILLs Python backend stubs of `model_repository`'s models whose server is gone (parent: init).
+    Returns their process ids."""
+    ended = []
+    for pid in stubs_of(model_repository, children_of(1)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            ended.append(pid)
+        except ProcessLookupError:
+            pass
     return ended
