@@ -196,9 +196,9 @@ class TritonServer:
     several instances. Here a model of four instances unloaded 0.07 s before a 5-s timeout ran out, and one
     of five did not (tritonserver gave up on it and exited with 1); with the allowance both stop cleanly.
     `backend_dir`: a ready backend directory; None prepares one for the bundled server. `env`: variables
-    to add to its environment. `sweeps_deployment`: whether its start and stop remove the deployment's shared-memory objects
-    (disagg.serve.leftovers); a server that is one of several of a deployment leaves that to whoever
-    runs them all, and removes only the Python-backend regions its own run left. `label`: with no
+    to add to its environment. `sweeps_deployment`: whether its start and stop remove the deployment's
+    shared-memory objects (disagg.serve.leftovers); a server that is one of several of a deployment
+    leaves that to whoever runs them all, and removes only the Python-backend regions its own run left. `label`: with no
     `log_path`, the server's output is copied to ours line by line, each prefixed `[label] `, and a
     fatal-signal line sets `crashed_at` (a crash can deadlock in tritonserver's signal handler and
     never exit). `auto_complete`: leave Triton's config auto-completion on. It is off by default: the
@@ -208,8 +208,9 @@ class TritonServer:
     reload take 3 s instead of 0.7. Turn it on for repositories holding models of your own that rely on
     it. Triton's CPU metrics are collected every METRICS_INTERVAL_MS unless `extra_args` name an interval:
     at its default, 2000 ms, the collecting thread, which the server joins as it exits, kept every stop
-    0.7-0.9 s longer (cpu-tiny: 2.85-2.95 s from SIGTERM to exit, 2.12-2.14 s at 250 ms). The server gets SIGTERM if the thread that started it dies, and its guard (disagg.serve.guard) ends
-    it if that process dies and the server has not exited `exit_timeout_s + stop_grace_s` seconds later.
+    0.7-0.9 s longer (cpu-tiny: 2.85-2.95 s from SIGTERM to exit, 2.12-2.14 s at 250 ms). The server gets
+    SIGTERM if the thread that started it dies, and its guard (disagg.serve.guard) ends it if that process
+    dies and the server has not exited `exit_timeout_s + stop_grace_s` seconds later.
     Use as a context manager (start, wait until ready, stop on exit) or call start/wait_ready/stop.
     """
 
