@@ -1,4 +1,4 @@
-"""One shared gRPC stream per engine server (disagg.triton.engine_stream), against an in-process gRPC server
+"""One shared gRPC stream per engine model (disagg.triton.engine_stream), against an in-process gRPC server
 that answers ModelStreamInfer as Triton 2.51 does: every response names its request id, errors included."""
 from __future__ import annotations
 
@@ -16,21 +16,29 @@ from disagg.triton.engine_stream import EngineServer, infer_request
 
 
 class FakeEngine(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Answers each request with `count` token responses (token = its index) and an empty final one, all
-    requests' responses interleaved; a request for model "bad" gets one error response instead, and one for
-    a model it does not have the error Triton gives (`opened` counts those as first requests of a stream)."""
+    """Answers each request for model "m" or "n" with `count` token responses (token = its index) and an empty
+    final one, all requests' responses interleaved; a request for model "bad" gets one error response instead,
+    and one for a model it does not have the error Triton gives (`opened` counts those as first requests of a
+    stream)."""
 
     def __init__(self):
         self.hold = threading.Event()  # set: answer; clear: hold every response back
         self.hold.set()
+        self.refusing = threading.Event()  # set: answer requests for unknown models; clear: hold those answers back
+        self.refusing.set()
         self.seen: queue.SimpleQueue = queue.SimpleQueue()
         self.opened = 0
+        self.streams: list[list[str]] = []  # the models asked for on each stream, in order
 
     def ModelStreamInfer(self, request_iterator, context):
         pending = []
+        models = []
+        self.streams.append(models)
         for i, request in enumerate(request_iterator):
-            if request.model_name not in ("m", "bad"):
+            models.append(request.model_name)
+            if request.model_name not in ("m", "n", "bad"):
                 self.opened += i == 0
+                self.refusing.wait()
                 yield service_pb2.ModelStreamInferResponse(
                     error_message=f"[request id: {request.id}] Request for unknown model: '{request.model_name}' is not found",
                     infer_response=service_pb2.ModelInferResponse(id=request.id))
@@ -102,7 +110,7 @@ def _request(request_id: str, count: int, model: str = "m"):
 
 def test_interleaved_responses_reach_their_own_request(engine):
     _, _, client = engine
-    stream = client.shared()
+    stream = client.shared("m")
     a, b = Collector(), Collector()
     stream.send(_request("a", 3), a)
     stream.send(_request("b", 5), b)
@@ -116,7 +124,7 @@ def test_interleaved_responses_reach_their_own_request(engine):
 def test_a_stream_opens_with_a_request_that_no_handler_claims(engine):
     """The opening keeps the stream's first real request from being the one Triton holds until the stream ends."""
     fake, _, client = engine
-    stream = client.shared()
+    stream = client.shared("m")
     answer = Collector()
     stream.send(_request("first", 0), answer)
     assert answer.all() == [(None, None, True)]
@@ -124,9 +132,53 @@ def test_a_stream_opens_with_a_request_that_no_handler_claims(engine):
     assert stream.broken is None and stream.in_flight() == 0
 
 
+def test_nothing_follows_the_opening_on_a_stream_until_its_refusal_is_back(engine):
+    """Triton 2.51 writes a refusal without waiting for a decoupled response's write, and does not send a
+    decoupled response that found the refusal's write in flight until another response comes."""
+    fake, _, client = engine
+    fake.refusing.clear()
+    stream = client.shared("m")
+    sending = threading.Thread(target=stream.send, args=(_request("first", 0), Collector()))
+    sending.start()
+    time.sleep(0.3)
+    assert sending.is_alive() and fake.seen.empty()  # the request waits for the opening's answer
+    fake.refusing.set()
+    sending.join(5)
+    assert fake.seen.get(timeout=5).id == "first"
+
+
+def test_a_stream_whose_opening_is_never_answered_refuses_its_requests(engine, monkeypatch):
+    from disagg.triton import engine_stream
+
+    fake, _, client = engine
+    fake.refusing.clear()
+    monkeypatch.setattr(engine_stream, "OPENING_WAIT_S", 0.2)
+    try:
+        with pytest.raises(ConnectionError, match="did not answer the stream's opening within 0.2 s"):
+            client.shared("m").send(_request("first", 0), Collector())
+        assert fake.seen.empty()
+    finally:
+        fake.refusing.set()
+
+
+def test_each_model_has_a_stream_of_its_own_on_its_servers_channel(engine):
+    """A refusal (a model being reloaded) must not share a stream with another model's streaming responses:
+    Triton 2.51 writes both at once and aborts (README, Known problems)."""
+    fake, _, client = engine
+    answers = {request_id: Collector() for request_id in ("m1", "m2", "n1", "n2", "r")}
+    for request_id, answer in answers.items():
+        model = {"m": "m", "n": "n", "r": "reloading"}[request_id[0]]
+        client.shared(model).send(_request(request_id, 2, model=model), answer)
+    assert [len(answers[request_id].all()) for request_id in ("m1", "m2", "n1", "n2")] == [3, 3, 3, 3]
+    assert answers["r"].all() == [(None, "[request id: r] Request for unknown model: 'reloading' is not found", True)]
+    assert client.shared("m") is client.shared("m") and client.shared("m") is not client.shared("n")
+    assert sorted(fake.streams) == [["disagg-stream-opening", "m", "m"], ["disagg-stream-opening", "n", "n"],
+                                    ["disagg-stream-opening", "reloading"]]
+
+
 def test_the_request_is_sent_as_tritonclient_sends_it(engine):
     fake, _, client = engine
-    client.shared().send(_request("x", 0), Collector())
+    client.shared("m").send(_request("x", 0), Collector())
     seen = fake.seen.get(timeout=5)
     assert (seen.model_name, seen.id) == ("m", "x")
     assert [(t.name, t.datatype, list(t.shape)) for t in seen.inputs] == [("n", "INT32", [1, 1]), ("flag", "BOOL", [1, 1])]
@@ -138,7 +190,7 @@ def test_the_request_is_sent_as_tritonclient_sends_it(engine):
 
 def test_an_error_is_final_for_its_request_only(engine):
     _, _, client = engine
-    stream = client.shared()
+    stream = client.shared("m")
     bad, good, other = Collector(), Collector(), Collector()
     stream.send(_request("good-1", 2), good)
     stream.send(_request("bad-1", 0, model="bad"), bad)
@@ -153,7 +205,7 @@ def test_an_error_is_final_for_its_request_only(engine):
 
 def test_a_handler_that_raises_loses_its_own_request_only(engine, capfd):
     _, _, client = engine
-    stream = client.shared()
+    stream = client.shared("m")
     calls = []
 
     def broken(result, error, final):
@@ -173,7 +225,7 @@ def test_a_handler_that_raises_loses_its_own_request_only(engine, capfd):
 
 def test_forgetting_an_ended_request_leaves_a_new_one_under_its_id_alone(engine):
     _, _, client = engine
-    stream = client.shared()
+    stream = client.shared("m")
     first, second = Collector(), Collector()
     stream.send(_request("same", 0, model="bad"), first)
     first.all()
@@ -186,7 +238,7 @@ def test_forgetting_an_ended_request_leaves_a_new_one_under_its_id_alone(engine)
 def test_a_broken_stream_fails_what_it_carries_and_the_next_request_gets_a_new_one(engine):
     fake, server, client = engine
     fake.hold.clear()
-    stream = client.shared()
+    stream = client.shared("m")
     waiting = Collector()
     stream.send(_request("w1", 1), waiting)
     stream.send(_request("w2", 1), Collector())
@@ -202,7 +254,7 @@ def test_a_broken_stream_fails_what_it_carries_and_the_next_request_gets_a_new_o
     while time.monotonic() < deadline:
         failed = Collector()
         try:
-            client.shared().send(_request("down", 0), failed)
+            client.shared("m").send(_request("down", 0), failed)
             (_, error, _), = failed.all()
         except ConnectionError as exc:  # the new stream broke before the request was on it
             error = str(exc)
@@ -213,8 +265,8 @@ def test_a_broken_stream_fails_what_it_carries_and_the_next_request_gets_a_new_o
     again, _ = _serve(FakeEngine(), int(client.url.rsplit(":", 1)[1]))
     try:
         answer = Collector()
-        assert client.shared() is not stream
-        client.shared().send(_request("after", 0), answer)
+        assert client.shared("m") is not stream
+        client.shared("m").send(_request("after", 0), answer)
         assert answer.all(timeout=0.5) == [(None, None, True)]
     finally:
         again.stop(grace=None)

@@ -64,7 +64,7 @@ def test_a_model_of_three_instances_publishes_the_backend_gauges_once_and_stops_
 
 
 def test_an_engine_model_unloads_while_the_orchestrator_s_stream_to_it_stays_open(repository, start_triton):
-    """The orchestrator keeps one gRPC stream per engine server open; Triton holds a stream's first request,
+    """The orchestrator keeps one gRPC stream per engine model open; Triton holds a stream's first request,
     and so its model, until the stream ends (disagg.triton.engine_stream). An engine model unloaded through the
     repository API (as the watchdog reloads one) must still let its instances go."""
     with contextlib.chdir(repository.parent):

@@ -80,17 +80,21 @@ def test_a_broken_stream_means_the_engine_server_is_coming_back(orchestrator):
     """A hop on a stream whose server goes away fails with the stream, and a hop sent on it after is refused."""
     listener = socket.create_server(("127.0.0.1", 0))
     server = orchestrator.EngineServer(f"127.0.0.1:{listener.getsockname()[1]}")
-    try:
-        stream = server.shared()
-        hop = decode_hop(orchestrator, stream)  # sent while the connection is still being made
+
+    def go_away():
         connection, _ = listener.accept()
-        connection.close()  # the server goes away
-        failed = _hop_error(orchestrator, hop)
-        assert "stream to the engine server broke: UNAVAILABLE" in str(failed) and failed.engine_away
-        with pytest.raises(orchestrator.HopError, match="stream to the engine server broke") as refused:
-            decode_hop(orchestrator, stream)
-        assert refused.value.engine_away
+        connection.close()  # before the stream's opening is answered
+
+    leaving = threading.Thread(target=go_away)
+    leaving.start()
+    try:
+        stream = server.shared("decode")
+        for _ in range(2):  # the hop waiting for the opening's answer, then one sent on the broken stream
+            with pytest.raises(orchestrator.HopError, match="stream to the engine server broke: UNAVAILABLE") as refused:
+                decode_hop(orchestrator, stream)
+            assert refused.value.engine_away
     finally:
+        leaving.join()
         listener.close()
         server.close()
 

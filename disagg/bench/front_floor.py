@@ -59,7 +59,7 @@ class TritonPythonModel:
             request = infer_request("prefill", f"floor-{next(self.ids)}", inputs,
                                     {"request_type": "context_and_generation", credential.PARAMETER: self.key}, ("output_ids",))
             try:
-                self.server.shared().send(request, _answer(sender))
+                self.server.shared("prefill").send(request, _answer(sender))
             except ConnectionError as exc:
                 with STUB_LOCK:
                     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)

@@ -3,9 +3,17 @@
 A tritonclient stream per call to an engine (a new HTTP/2 stream, a reader thread, a close) cost about
 1.3 ms of every hop on this machine, twice on a request's way to its first decode token. Triton 2.51 puts
 the request id in every response of a stream, errors included ("[request id: ...]" requests refused by
-the server too), so one long-lived stream per engine server can carry every hop of an orchestrator
-instance. A request id must be unique among the requests in flight on one stream: a `stop`, which names
-the request it stops by that request's id, goes over a stream of its own (`EngineServer.open`).
+the server too), so one long-lived stream per engine model can carry every hop of an orchestrator
+instance to it. A request id must be unique among the requests in flight on one stream: a `stop`, which
+names the request it stops by that request's id, goes over a stream of its own (`EngineServer.open`).
+
+One stream per model, not per server: Triton 2.51 answers a request it refuses before making a request object
+(a model it does not have, or has not loaded yet) the way it answers a model that is not decoupled, and that
+way starts its write without waiting for a decoupled response's write in flight on the same stream (server
+src/grpc/infer_handler.h `WriteResponseIfReady`; src/grpc/stream_infer_handler.cc, step READ). Two writes at
+once on one gRPC stream abort the server (`proto_buffer_writer.h:65] ASSERTION FAILED`: README, Known
+problems). A model being reloaded refuses requests while the other models of its server stream tokens;
+on a stream of its own, a refusal meets no other model's responses.
 
 Every stream opens with a request for a model no server has (`OPENING`). Triton 2.51 reads a stream's first
 request into the state that waits for the stream's end (server src/grpc/stream_infer_handler.cc, step START),
@@ -13,7 +21,10 @@ so that request, and through it its model, stays referenced until the stream clo
 went to prefill kept prefill loaded until the orchestrator closed the stream in its own `finalize`: every stop
 of a deployment took a second longer, and prefill unloaded through the repository API (as the watchdog reloads
 a model) kept its stubs running for as long as the stream stayed open (tests/test_engine_unload.py). A request
-for an unknown model is refused before a request object is made, so the opening pins nothing.
+for an unknown model is refused before a request object is made, so the opening pins nothing. Its refusal is
+written the way just described, so nothing else is sent on the stream until it has come back: a decoupled
+response that found that write in flight would be queued, and the write's end does not send what it queued
+(stream_infer_handler.cc, step WRITTEN): it would wait for the stream's next response.
 
 There is no per-request cancellation on a shared stream (a gRPC cancel ends the whole stream): a request
 cut short is ended with `stop`, which the orchestrator does anyway, since cancelled gRPC streams are what
@@ -36,6 +47,7 @@ MAX_MESSAGE = 2**31 - 1
 # The stream's first request (see the module's docstring): refused by every server, answered with an error
 # that no handler claims.
 OPENING = service_pb2.ModelInferRequest(model_name="disagg-stream-opening", id="disagg-stream-opening")
+OPENING_WAIT_S = 5.0  # how long a request waits for the opening's answer before the stream counts as broken
 # on_response(result, error, final): result is None exactly when error (a message) is set; an error is final.
 OnResponse = Callable[[InferResult | None, str | None, bool], None]
 
@@ -66,6 +78,7 @@ class EngineStream:
         self._requests.put(OPENING)
         self._handlers: dict[str, OnResponse] = {}
         self._lock = threading.Lock()
+        self._opened = threading.Event()  # set once the opening's answer is back, or the stream broke
         self.broken: str | None = None
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         self._responses = stub.ModelStreamInfer(iter(self._requests.get, None))
@@ -73,6 +86,8 @@ class EngineStream:
         self._reader.start()
 
     def send(self, request: service_pb2.ModelInferRequest, on_response: OnResponse) -> None:
+        if not self._opened.wait(OPENING_WAIT_S):
+            raise ConnectionError(f"the engine server did not answer the stream's opening within {OPENING_WAIT_S:g} s")
         with self._lock:
             if self.broken is not None:
                 raise ConnectionError(self.broken)
@@ -106,11 +121,15 @@ class EngineStream:
         with self._lock:
             self.broken = reason
             orphans, self._handlers = self._handlers, {}
+        self._opened.set()  # a request waiting to be sent finds the stream broken
         for on_response in orphans.values():
             on_response(None, reason, True)
 
     def _dispatch(self, response: service_pb2.ModelStreamInferResponse) -> None:
         request_id = response.infer_response.id
+        if request_id == OPENING.id:
+            self._opened.set()
+            return
         with self._lock:
             on_response = self._handlers.get(request_id)
         if on_response is None:
@@ -140,22 +159,24 @@ def _channel(url: str) -> grpc.Channel:
 
 
 class EngineServer:
-    """One engine server's channel and the shared stream on it. After the stream broke, both are made anew:
-    a channel whose server went away waits out a growing reconnect back-off (1 s, 1.6 s, 2.6 s ...) before
-    it tries again, and refuses every call meanwhile, long after a restarted server is back."""
+    """One engine server's channel and the shared stream to each of its models on it. After a stream broke,
+    the channel and every stream are made anew: a channel whose server went away waits out a growing
+    reconnect back-off (1 s, 1.6 s, 2.6 s ...) before it tries again, and refuses every call meanwhile, long
+    after a restarted server is back."""
 
     def __init__(self, url: str):
         self.url = url
         self.channel = _channel(url)
-        self._shared: EngineStream | None = None
+        self._shared: dict[str, EngineStream] = {}
         self._lock = threading.Lock()
 
-    def shared(self) -> EngineStream:
+    def shared(self, model: str) -> EngineStream:
+        """The stream that carries every request to `model` (see the module's docstring)."""
         with self._lock:
             self._renew_if_broken()
-            if self._shared is None:
-                self._shared = EngineStream(self.channel, self.url)
-            return self._shared
+            if model not in self._shared:
+                self._shared[model] = EngineStream(self.channel, f"{self.url} {model}")
+            return self._shared[model]
 
     def open(self) -> EngineStream:
         """A stream for one request only (the caller closes it)."""
@@ -164,17 +185,17 @@ class EngineServer:
             return EngineStream(self.channel, self.url)
 
     def _renew_if_broken(self) -> None:
-        if self._shared is not None and self._shared.broken is not None:
+        if any(stream.broken is not None for stream in self._shared.values()):
             self.channel.close()
-            self.channel, self._shared = _channel(self.url), None
+            self.channel, self._shared = _channel(self.url), {}
 
     def retire(self) -> None:
-        """Half-closes the shared stream: the server ends it once it has answered what it holds, and a server
-        that is stopping waits for its clients' streams to end. Nothing is cancelled (see the module's
+        """Half-closes the shared streams: the server ends each once it has answered what it holds, and a
+        server that is stopping waits for its clients' streams to end. Nothing is cancelled (see the module's
         docstring); `close` the channel later."""
         with self._lock:
-            if self._shared is not None:
-                self._shared.close()
+            for stream in self._shared.values():
+                stream.close()
 
     def close(self) -> None:
         self.retire()

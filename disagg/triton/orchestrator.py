@@ -770,7 +770,7 @@ class TritonPythonModel:
     def _hop(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, request_type: str, own_stream: bool = False):
         pids = {} if engine.replica else self._check_live([engine.model])
         server = self._server(engine.url)
-        stream = server.open() if own_stream else server.shared()
+        stream = server.open() if own_stream else server.shared(engine.model)
         hop = Hop(stream, engine, inputs, request_id, request_type, self.internal_key, self.liveness, pids, own_stream)
         try:
             yield hop
