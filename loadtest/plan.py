@@ -108,7 +108,7 @@ def hosts(spec: DeploymentSpec, out: Path, engines_on_cpu: bool = True) -> dict[
     from disagg.bench.front import measure
 
     print(f"plan: measuring the front's CPU per output token ({FRONT_STREAMS} streams, engines skipping compute)", flush=True)
-    rows = measure(spec.source, out, (FRONT_STREAMS,), FRONT_SECONDS, 64, FRONT_STEP_MS, paths=("ensemble", "aggregated"))
+    rows, _ = measure(spec.source, out, (FRONT_STREAMS,), FRONT_SECONDS, 64, FRONT_STEP_MS, paths=("ensemble", "aggregated"))
     cores = len(os.sched_getaffinity(0))
     per_token = {r.path: front_s_per_token(r.cpu_ms_per_token, spec) for r in rows}
     print(f"plan: the front costs {per_token['ensemble'] * 1e3:.2f} ms of CPU per output token through the ensemble, "

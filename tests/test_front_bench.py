@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from engine_helpers import EngineFactory
 
-from disagg.bench.front import PATHS, PROMPT, Driver, Flight, Level, front_spec, measure, median_interval, summary
+from disagg.bench.front import (PATHS, PROMPT, CeilingRound, Driver, Flight, Level, front_spec, measure, median_interval,
+                                rotated, summary)
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
@@ -55,8 +56,17 @@ def test_time_per_token_counts_every_token_of_a_coalesced_response():
 
 @pytest.mark.e2e
 def test_the_front_bench_measures_every_path_without_errors(tmp_path):
-    rows = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (2,), 1.0, 16)
+    peaks = iter([{16: 100.0, 64: 200.0}, {16: 300.0, 64: 150.0}])  # the computing engine's turn in each ceiling round
+    rows, ceilings = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (2,), 1.0, 16, ceiling_rounds=2,
+                             engine_peak=lambda: next(peaks))
     assert [r.path for r in rows] == list(PATHS)
+    # each ceiling round serves both fronts again at their best level, beside that round's engine timing
+    assert [(c.round, c.engine, sorted(c.fronts)) for c in ceilings] == [
+        (0, {16: 100.0, 64: 200.0}, ["ensemble", "tensorrt_llm_bls"]), (1, {16: 300.0, 64: 150.0}, ["ensemble", "tensorrt_llm_bls"])]
+    for c in ceilings:
+        for front, level in c.fronts.items():
+            assert level.path == front and level.streams == 2 and level.errors == 0 and level.tokens_per_s > 0, level
+            assert c.ratio(front) == level.tokens_per_s / max(c.engine.values())
     for r in rows:
         assert r.errors == 0 and r.completed > 0 and r.tokens_per_s > 0, r
         assert 0 < r.ttft_ms < 1000 and r.gap_ms > 0, r
@@ -76,8 +86,9 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
 @pytest.mark.e2e
 def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_whole_window(tmp_path):
     """One stream with 20 ms steps: a 16-token request takes about 0.33 s, so a 0.01 s window would hold one."""
-    row, *rounds = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (1,), 0.01, 16, step_ms=20.0,
-                           paths=("prefill + decode",), min_requests=6, alternate=3)
+    (row, *rounds), ceilings = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (1,), 0.01, 16, step_ms=20.0,
+                                       paths=("prefill + decode",), min_requests=6, alternate=3)
+    assert ceilings == []
     assert row.errors == 0 and 6 <= row.completed <= 7, row
     # each round: one request on each path and on front_floor, the first path rotating
     assert [(r.path, r.round, r.completed) for r in rounds] == [
@@ -85,7 +96,7 @@ def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_w
         ("prefill + decode", 2, 1), ("front_floor", 2, 1)]
     assert all(19 < r.ttft_ms < 60 and r.errors == 0 for r in rounds), rounds  # one request each: its own prefill step
     assert all(math.isnan(r.token_ms) for r in rounds if r.path == "front_floor")  # the first token, no more
-    assert "front_floor vs prefill + decode, one request at a time, alternated (3 rounds): TTFT " in "\n".join(summary([row, *rounds], ({1: 1.0}, {1: 1.0})))
+    assert "front_floor vs prefill + decode, one request at a time, alternated (3 rounds): TTFT " in "\n".join(summary([row, *rounds], []))
     assert 35 < row.tokens_per_s < 52, row  # one token per 20 ms step and a little more, over the window it ran
     assert 19 < row.gap_ms < 30, row
 
@@ -123,6 +134,10 @@ def test_the_driver_lets_go_of_a_server_that_stopped_answering(tmp_path):
             os.kill(server.process.pid, signal.SIGCONT)
 
 
+def test_rounds_rotate_which_path_goes_first():
+    assert [rotated(("a", "b", "c"), i) for i in range(4)] == [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"), ("a", "b", "c")]
+
+
 def test_the_median_of_the_rounds_comes_with_how_far_it_can_be_trusted():
     low, high = median_interval([float(x) for x in range(21)])  # median 10, standard error about 1.7
     assert 5.0 <= low <= 8.0 and 12.0 <= high <= 15.0, (low, high)  # the quartiles: 5 and 15
@@ -130,28 +145,36 @@ def test_the_median_of_the_rounds_comes_with_how_far_it_can_be_trusted():
     assert median_interval([float(x) for x in range(21)]) == (low, high)  # the same rounds print the same
 
 
-def test_the_front_ceiling_is_given_against_the_engine_timed_before_and_after_the_front():
+def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_round():
     rows = [Level("tensorrt_llm_bls", 64, 1200.0, 200.0, 40.0, 40.0, 700, 0, {"tritonserver": 0.3, "stub tensorrt_llm_bls": 0.4}),
             Level("prefill + decode", 64, 2400.0, 60.0, 21.0, 21.0, 1400, 0, {"tritonserver": 0.2})]
-    lines = summary(rows, ({16: 250.0, 64: 400.0}, {16: 300.0, 64: 600.0}))
-    assert lines[-1] == ("  front ceiling (tensorrt_llm_bls, best level) 1200 tokens/s = 3.00x / 2.00x the computing decode engine's "
-                         "best timed before / after the front's runs (400 / 600 tokens/s on bench-100mb; batch 16 250, batch 64 400, "
-                         "batch 16 300, batch 64 600)")
+    served = [(400.0, 1200.0, 1000.0), (600.0, 1500.0, 900.0), (300.0, 1050.0, 600.0)]  # engine, BLS, ensemble
+    ceilings = [CeilingRound(i, {16: engine / 2, 64: engine},
+                             {"tensorrt_llm_bls": replace(rows[0], tokens_per_s=bls), "ensemble": replace(rows[0], path="ensemble", tokens_per_s=ens)})
+                for i, (engine, bls, ens) in enumerate(served)]
+    lines = summary(rows, ceilings)
+    assert lines[-3:] == [
+        "  the computing decode engine's best tokens/s by round (bench-100mb, batch 16 or 64): 400, 600, 300",
+        "  front ceiling (ensemble, 64 streams) / the computing decode engine's best, 3 rounds: median 2.00x (1.50x to 2.50x; "
+        "by round 2.50x, 1.50x, 2.00x), the front serving 900 tokens/s (median)",
+        "  front ceiling (tensorrt_llm_bls, 64 streams) / the computing decode engine's best, 3 rounds: median 3.00x (2.50x to 3.50x; "
+        "by round 3.00x, 2.50x, 3.50x), the front serving 1200 tokens/s (median)"]
+    lines = summary(rows, [])
     assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured
     rounds = [Level(path, 1, 0.0, ttft, 21.0, token, 1, 0, round=i) for i, (path, ttft, token) in enumerate(
         [("tensorrt_llm_bls", 30.0, 21.1), ("prefill + decode", 26.0, 21.0), ("tensorrt_llm_bls", 27.0, 21.0),
          ("prefill + decode", 26.0, 21.0), ("tensorrt_llm_bls", 29.0, 21.3)])]
     rounds = [replace(r, round=i // 2) for i, r in enumerate(rounds)]  # rounds 0, 0, 1, 1, 2: round 2 has no pair
-    lines = summary(rows + rounds, ({64: 400.0}, {64: 600.0}))
+    lines = summary(rows + rounds, [])
     assert lines[1] == ("  tensorrt_llm_bls vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +2.50 ms "
                         "(median within +1.00 to +4.00 at 95%; quartiles +1.75 to +3.25), per token +0.050 ms (+0.025 to +0.075)")
-    assert lines[-1].startswith("  front ceiling (tensorrt_llm_bls, best level) 1200 tokens/s = 3.00x / 2.00x")  # the rounds are no level
+    assert lines[-1].startswith("    prefill + decode   total 0.20")  # the rounds are no level: the CPU is the 64 streams'
     floor = [Level("front_floor", 1, 0.0, ttft, 0.0, float("nan"), 1, 0, round=i) for i, ttft in ((0, 27.5), (1, 26.25))]
-    lines = summary(rows + rounds + floor, ({64: 400.0}, {64: 600.0}))
+    lines = summary(rows + rounds + floor, [])
     assert lines[2:4] == ["  front_floor vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +0.88 ms "
                           "(median within +0.25 to +1.50 at 95%; quartiles +0.56 to +1.19)",
                           "  tensorrt_llm_bls vs front_floor, one request at a time, alternated (2 rounds): TTFT +1.62 ms "
                           "(median within +0.75 to +2.50 at 95%; quartiles +1.19 to +2.06)"]  # front_floor has no time per token
     one = [Level("tensorrt_llm_bls", 1, 48.0, 28.93, 20.945, 20.945, 21, 0), Level("prefill + decode", 1, 48.0, 24.94, 21.0, 21.0, 22, 0)]
-    assert summary(one, ({64: 1.0}, {64: 1.0}))[0] == ("  tensorrt_llm_bls vs prefill + decode, 1 stream: TTFT +3.99 ms, per token "
-                                                      "-0.055 ms, gap between responses -0.055 ms (21 and 22 requests)")
+    assert summary(one, [])[0] == ("  tensorrt_llm_bls vs prefill + decode, 1 stream: TTFT +3.99 ms, per token "
+                                   "-0.055 ms, gap between responses -0.055 ms (21 and 22 requests)")

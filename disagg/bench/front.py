@@ -22,10 +22,12 @@ of their mean gap between token responses and of their time per token after the 
 unless responses carry several tokens: `--coalesce-backlog`); then ensemble vs direct at one stream (TTFT
 and per-token cost added) and at each level (tokens/s ratio), and where the CPU goes: CPU ms per output token of each
 process (tritonserver, each model's Python stub, this client) over the window of the highest level,
-which is what limits the front on a machine whose cores it saturates. The engines' own ceiling is printed beside
-it: the decode tokens/s of the reference engine on the `bench-100mb` model, computing, at batch 16 and 64, timed
-before the front's runs and again after them, since this machine's speed moves over the minutes between (the
-ratio is given against both). Last, `--alternate` rounds of one request on each path in turn give the one-stream
+which is what limits the front on a machine whose cores it saturates. The front's ceiling is then set against
+the engines' own: `--ceiling-rounds` rounds, each timing the decode tokens/s of the reference engine on the
+`bench-100mb` model, computing (its best of batch 16 and 64), and each front at the level where its row served
+most, in turn (the first rotating). This machine's speed moves by up to 2x over minutes, which a ratio of
+figures timed minutes apart takes for the front's; within a round it moves both alike, so the ratio is given
+per round, with the median. Last, `--alternate` rounds of one request on each path in turn give the one-stream
 comparison again, as the median of the rounds' differences with its 95% interval, and their quartiles, which a
 drift in the machine's speed between two rows does not move; front_floor's rounds say how much of
 tensorrt_llm_bls's added TTFT any Python model and gRPC hop would add here, and how much is its own.
@@ -42,6 +44,7 @@ import json
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -62,6 +65,8 @@ FLOOR = "front_floor"  # a path of the alternated rounds only: it answers the fi
 TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated")
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
 CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside the front
+CEILING_FRONTS = ("ensemble", "tensorrt_llm_bls")
+ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
 MAX_WINDOW_S = 60.0  # a row's window at most, however few requests it has completed
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
 
@@ -157,6 +162,19 @@ class Level:
     errors: int
     cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # by process, over the window
     round: int | None = None  # a single request of the alternated rounds (`measure`'s `alternate`)
+
+
+@dataclass
+class CeilingRound:
+    """One round of `measure`'s `ceiling_rounds`: the computing decode engine's tokens/s by batch and each
+    front's, at its best level, timed one after the other."""
+
+    round: int
+    engine: dict[int, float]
+    fronts: dict[str, Level]
+
+    def ratio(self, front: str) -> float:
+        return self.fronts[front].tokens_per_s / max(self.engine.values())
 
 
 def cpu_seconds(server_pid: int) -> dict[str, float]:
@@ -321,11 +339,14 @@ class Driver:
 
 
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
-            coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0, alternate: int = 0) -> list[Level]:
-    """A row per level and path; then, with `alternate`, that many rounds of one request on each path and
-    front_floor in turn (the first path rotating), each a row of its own with its `round`: a drift in the
-    machine's speed, which moves a whole row's TTFT by milliseconds here, then hits every path's request of a
-    round alike."""
+            coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0, alternate: int = 0,
+            ceiling_rounds: int = 0, engine_peak: Callable[[], dict[int, float]] | None = None,
+            ) -> tuple[list[Level], list[CeilingRound]]:
+    """A row per level and path; then `ceiling_rounds` rounds of `engine_peak` (the computing decode engine's
+    tokens/s by batch) and each front of CEILING_FRONTS at its best level; then, with `alternate`, that many
+    rounds of one request on each path and front_floor in turn (the first path rotating), each a row of its own
+    with its `round`: a drift in the machine's speed, which moves a whole row's TTFT by milliseconds here, then
+    hits every path's request of a round alike."""
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
@@ -334,7 +355,8 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
     build(spec, log=lambda _msg: None)
     install_floor(spec.model_repository)
     ids = encode_prompt(load_tokenizer(spec.model.path), PROMPT)
-    rows = []
+    rows, ceilings = [], []
+    (out / "server.log").unlink(missing_ok=True)  # TritonServer appends: an earlier run's errors are not this one's
     with skipped_compute(step_ms), TritonServer(spec.model_repository, log_path=out / "server.log") as server:
         driver = Driver(server.grpc_url, server.internal_key, ids, max_tokens, server.process.pid)
         try:
@@ -346,14 +368,38 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                     rows.append(driver.run(path, streams, seconds, min_requests))
                     r = rows[-1]
                     print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
+            for i in range(ceiling_rounds):
+                ceilings.append(ceiling_round(i, rows, driver, seconds, min_requests, engine_peak))
+                c = ceilings[-1]
+                print(f"  ceiling round {i + 1}/{ceiling_rounds}: the {ENGINE} {max(c.engine.values()):.0f} tokens/s, "
+                      + ", ".join(f"{front} {c.fronts[front].tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front in CEILING_FRONTS),
+                      flush=True)
             for i in range(alternate):
-                for path in rounds[i % len(rounds):] + rounds[:i % len(rounds)]:
+                for path in rotated(rounds, i):
                     rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1), round=i))
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}; the server's log ({server.log_path}):\n{server.log_excerpt(5)}") from exc
         finally:
             driver.close()
-    return rows
+    return rows, ceilings
+
+
+def rotated(items: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """`items` starting at the i-th, so that no path always goes first."""
+    return items[i % len(items):] + items[:i % len(items)]
+
+
+def ceiling_round(i: int, rows: list[Level], driver: Driver, seconds: float, min_requests: int,
+                  engine_peak: Callable[[], dict[int, float]]) -> CeilingRound:
+    """The engine's turn and each front's at the level where its row served most, in rotated order."""
+    best = {front: max((r for r in rows if r.path == front), key=lambda r: r.tokens_per_s).streams for front in CEILING_FRONTS}
+    engine, fronts = {}, {}
+    for turn in rotated((ENGINE, *CEILING_FRONTS), i):
+        if turn == ENGINE:
+            engine = engine_peak()
+        else:
+            fronts[turn] = driver.run(turn, best[turn], seconds, min_requests)
+    return CeilingRound(i, engine, fronts)
 
 
 def engine_ceiling(root: Path, batches: list[int]) -> dict[int, float]:
@@ -390,9 +436,8 @@ def _paired(rounds: list[Level], front: str, direct: str) -> str | None:
     return line
 
 
-def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float]]) -> list[str]:
-    """The comparisons printed after the rows; `ceilings`: the computing decode engine's tokens/s by batch, timed
-    before and after the rows."""
+def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
+    """The comparisons printed after the rows, the front's ceiling from `ceilings` last."""
     rounds = [r for r in rows if r.round is not None]
     rows = [r for r in rows if r.round is None]
     by = {(r.path, r.streams): r for r in rows}
@@ -419,15 +464,17 @@ def summary(rows: list[Level], ceilings: tuple[dict[int, float], dict[int, float
     for r in (r for r in rows if r.streams == top):
         shown = shares(r.cpu_ms_per_token)
         lines.append(f"    {r.path:<18} total {sum(ms for _, ms in shown):.2f}: " + ", ".join(f"{name} {ms:.2f}" for name, ms in shown))
-    peaks = [max(ceiling.values(), default=0.0) for ceiling in ceilings]
-    timed = ", ".join(f"batch {batch} {rate:.0f}" for ceiling in ceilings for batch, rate in sorted(ceiling.items()))
-    for front in ("ensemble", "tensorrt_llm_bls"):
-        peak_front = max((r.tokens_per_s for r in rows if r.path == front), default=0.0)
-        if all(peaks) and peak_front:
-            lines.append(f"  front ceiling ({front}, best level) {peak_front:.0f} tokens/s = "
-                         f"{' / '.join(f'{peak_front / peak:.2f}x' for peak in peaks)} the computing decode engine's best timed "
-                         f"before / after the front's runs ({' / '.join(f'{peak:.0f}' for peak in peaks)} tokens/s on bench-100mb; "
-                         f"{timed})")
+    if not ceilings:
+        return lines
+    engine = [max(c.engine.values()) for c in ceilings]
+    lines.append(f"  the {ENGINE}'s best tokens/s by round (bench-100mb, batch {' or '.join(map(str, CEILING_BATCHES))}): "
+                 + ", ".join(f"{rate:.0f}" for rate in engine))
+    for front in CEILING_FRONTS:
+        ratios = [c.ratio(front) for c in ceilings]
+        served = [c.fronts[front].tokens_per_s for c in ceilings]
+        lines.append(f"  front ceiling ({front}, {ceilings[0].fronts[front].streams} streams) / the {ENGINE}'s best, "
+                     f"{len(ceilings)} rounds: median {np.median(ratios):.2f}x ({min(ratios):.2f}x to {max(ratios):.2f}x; "
+                     f"by round {', '.join(f'{r:.2f}x' for r in ratios)}), the front serving {np.median(served):.0f} tokens/s (median)")
     return lines
 
 
@@ -440,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-requests", type=int, default=20,
                    help="a row's window lasts until this many requests sent in it have completed (at most 60 s)")
+    p.add_argument("--ceiling-rounds", type=int, default=5,
+                   help="rounds of the computing decode engine and each front at its best level in turn, for the ceiling")
     p.add_argument("--alternate", type=int, default=20,
                    help="then this many rounds of one request on each path in turn, for the one-stream comparison")
     p.add_argument("--step-ms", type=float, default=0.0,
@@ -455,14 +504,14 @@ def main(argv: list[str] | None = None) -> int:
           f"or until {args.min_requests} requests have completed; "
           "ms: TTFT p50, p50 of each request's mean gap between token responses and of its time per token after the first)")
     print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'ms/token':>11}{'requests':>10}{'errors':>8}")
-    before = engine_ceiling(Path("build"), CEILING_BATCHES)
-    rows = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog,
-                   min_requests=args.min_requests, alternate=args.alternate)
-    after = engine_ceiling(Path("build"), CEILING_BATCHES)
-    for line in summary(rows, (before, after)):
+    rows, ceilings = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog,
+                             min_requests=args.min_requests, alternate=args.alternate, ceiling_rounds=args.ceiling_rounds,
+                             engine_peak=lambda: engine_ceiling(Path("build"), CEILING_BATCHES))
+    for line in summary(rows, ceilings):
         print(line)
     saved = args.out / "front.json"
-    saved.write_text(json.dumps({"step_ms": args.step_ms, "max_tokens": args.max_tokens, "engine_peak": [before, after],
+    saved.write_text(json.dumps({"step_ms": args.step_ms, "max_tokens": args.max_tokens,
+                                 "ceiling_rounds": [asdict(c) for c in ceilings],
                                  "rows": [asdict(r) for r in rows if r.round is None]}, indent=1))
     print(f"  rows saved to {saved} (for `python -m loadtest plan --front`)")
     return 0
