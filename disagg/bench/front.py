@@ -368,8 +368,10 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                     rows.append(driver.run(path, streams, seconds, min_requests))
                     r = rows[-1]
                     print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
+            best = {front: max((r for r in rows if r.path == front), key=lambda r: r.tokens_per_s).streams
+                    for front in CEILING_FRONTS} if ceiling_rounds else {}
             for i in range(ceiling_rounds):
-                ceilings.append(ceiling_round(i, rows, driver, seconds, min_requests, engine_peak))
+                ceilings.append(ceiling_round(i, best, driver, seconds, min_requests, engine_peak))
                 c = ceilings[-1]
                 print(f"  ceiling round {i + 1}/{ceiling_rounds}: the {ENGINE} {max(c.engine.values()):.0f} tokens/s, "
                       + ", ".join(f"{front} {c.fronts[front].tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front in CEILING_FRONTS),
@@ -389,10 +391,9 @@ def rotated(items: tuple[str, ...], i: int) -> tuple[str, ...]:
     return items[i % len(items):] + items[:i % len(items)]
 
 
-def ceiling_round(i: int, rows: list[Level], driver: Driver, seconds: float, min_requests: int,
+def ceiling_round(i: int, best: dict[str, int], driver: Driver, seconds: float, min_requests: int,
                   engine_peak: Callable[[], dict[int, float]]) -> CeilingRound:
-    """The engine's turn and each front's at the level where its row served most, in rotated order."""
-    best = {front: max((r for r in rows if r.path == front), key=lambda r: r.tokens_per_s).streams for front in CEILING_FRONTS}
+    """The engine's turn and each front's at `best[front]` streams (where its row served most), in rotated order."""
     engine, fronts = {}, {}
     for turn in rotated((ENGINE, *CEILING_FRONTS), i):
         if turn == ENGINE:
