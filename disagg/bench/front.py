@@ -96,7 +96,6 @@ name: "{FLOOR}"
 backend: "python"
 max_batch_size: 32
 model_transaction_policy {{ decoupled: true }}
-dynamic_batching {{ }}
 input {{ name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] allow_ragged_batch: true }}
 input {{ name: "input_lengths" data_type: TYPE_INT32 dims: [ 1 ] }}
 input {{ name: "request_output_len" data_type: TYPE_INT32 dims: [ 1 ] }}
