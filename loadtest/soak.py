@@ -6,7 +6,8 @@ one in ten is a request from the bad-input catalog (loadtest/bad_inputs.py). Fau
 of the run: `kill -9` of the decode stub, `kill -9` of the prefill stub, the decode stub stopped
 (SIGSTOP) for `--pause` seconds and resumed. Every request has a deadline; one that passes it without an
 answer is hung. Prints and writes (`--out`, JSON): requests completed, failed with an error, cancelled,
-hung (must be 0), ended early without an error (must be 0); for each fault the seconds until the
+hung (must be 0), ended early without an error (must be 0); each bad input not refused with its own
+error, when and with what (those that met no engine outage: must be 0); for each fault the seconds until the
 deployment served again, and whether an engine's tritonserver had to be started again meanwhile; KV
 blocks and handoffs held at the end (must be 0); shared-memory objects of the deployment after the stop (must be 0);
 restarts of the main server, which runs the ensembles and orchestrators (must be 0); and restarts of the
@@ -46,6 +47,11 @@ from tools.stream_client import build_inputs, end_stream, stream
 PROMPTS = ["Call me Ishmael.", "It was the best of times", "In the beginning", "The quick brown fox", "Unicode: café ✓"]
 REQUEST_DEADLINE_S = 30.0
 FAULTS = ((0.2, "kill -9 decode"), (0.45, "kill -9 prefill"), (0.7, "pause decode"))
+# What a request meets while an engine it needs is down (the orchestrator's HopErrors with engine_away, a
+# direct engine call's broken connection): a bad input sent then is refused for that instead, as upstream,
+# whose engine does the checking, would refuse it too.
+OUTAGE = ("no live engine instance", "died while serving this request", "no replica is serving", "Stream removed",
+          "Socket closed", "failed to connect", "Connection refused")
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Report:
     outcomes: dict[str, int] = field(default_factory=dict)  # completed / error / cancelled / hung / truncated / bad_input_refused
     errors: dict[str, int] = field(default_factory=dict)  # first 80 characters of each error text -> count
     hung: list[dict] = field(default_factory=list)  # {"sent_at_s", "model", "cancelled", "outcome"} of each hung or truncated request
+    misanswered: list[dict] = field(default_factory=list)  # {"sent_at_s", "bad_input", "got"} of each bad input refused otherwise
     faults: list[dict] = field(default_factory=list)  # {"fault", "at_s", "served_again_after_s", "engine_server_restarted"}
     kv_blocks_in_use: dict[str, float] = field(default_factory=dict)
     handoffs_held: float = 0.0
@@ -76,6 +83,8 @@ class Report:
             bad.append(f"the server restarted {self.server_restarts} times")
         if any(f["served_again_after_s"] is None for f in self.faults):
             bad.append("a fault after which the deployment never served again")
+        if wrong := [m for m in self.misanswered if not any(o in m["got"] for o in OUTAGE)]:
+            bad.append(f"{len(wrong)} bad inputs answered with neither their refusal nor an engine outage: {wrong[:3]}")
         return bad
 
 
@@ -169,7 +178,7 @@ def _cancelled_stream(url: str, model: str, prompt: str, after: int) -> str:
 
 
 def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter, errors: Counter, hung: list,
-            lock: threading.Lock, started: float) -> None:
+            misanswered: list, lock: threading.Lock, started: float) -> None:
     rng = random.Random(seed)
     key, engines = internal_key(dep.key), dep.engine_urls
     while not stop.is_set():
@@ -184,6 +193,8 @@ def _client(dep: Deployment, seed: int, stop: threading.Event, outcomes: Counter
                 outcome = "bad_input_refused"
             except AssertionError as exc:
                 outcome, message = "error", f"bad input answered otherwise: {exc}"
+                with lock:
+                    misanswered.append({"sent_at_s": round(sent - started, 1), "bad_input": bad.name, "got": str(exc)[:400]})
             except Exception as exc:  # noqa: BLE001 - e.g. the server unreachable for a moment
                 outcome, message = "error", str(exc)
         elif roll < 0.3:
@@ -244,7 +255,7 @@ def run(repo: Path, duration_s: float, clients: int, pause_s: float, log: Path) 
     stop, lock = threading.Event(), threading.Lock()
     outcomes, errors = Counter(), Counter()
     started = time.monotonic()
-    threads = [threading.Thread(target=_client, args=(dep, i, stop, outcomes, errors, report.hung, lock, started), daemon=True)
+    threads = [threading.Thread(target=_client, args=(dep, i, stop, outcomes, errors, report.hung, report.misanswered, lock, started), daemon=True)
                for i in range(clients)]
     try:
         for t in threads:

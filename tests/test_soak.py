@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.soak import run
-
-pytestmark = pytest.mark.e2e
+from loadtest.soak import Report, run
 
 
+@pytest.mark.e2e
 def test_a_short_soak_hangs_nothing_leaks_nothing_and_heals_every_fault(cpu_tiny_project, tmp_path):
     log = tmp_path / "soak.log"
     report = run(cpu_tiny_project / "model_repository", duration_s=24, clients=4, pause_s=5.0, log=log)
@@ -24,3 +23,13 @@ def test_a_short_soak_hangs_nothing_leaks_nothing_and_heals_every_fault(cpu_tiny
     assert report.outcomes.get("hung", 0) == 0 and report.server_restarts == 0
     assert report.engine_restarts["prefill"] >= 1 and report.engine_restarts["decode"] >= 2, report.engine_restarts
     assert any("has been stopped for" in line for line in events), events
+
+
+def test_a_bad_input_misanswered_fails_the_soak_unless_it_met_an_engine_outage():
+    outage = {"sent_at_s": 60.1, "bad_input": "NaN temperature",
+              "got": "NaN temperature: expected 'temperature: nan must be in [0, 100]' in the error, got \"in ensemble "
+                     "'ensemble', decode: no live engine instance (decode_0_0 (pid 1) died; it is being reloaded): retry shortly\""}
+    accepted = {"sent_at_s": 80.0, "bad_input": "top_p above 1", "got": "top_p above 1: accepted (200): {...}"}
+    assert Report(30.0, misanswered=[outage]).failures() == []
+    [failure] = Report(30.0, misanswered=[outage, accepted]).failures()
+    assert failure.startswith("1 bad inputs answered with neither their refusal nor an engine outage") and "top_p above 1" in failure
