@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from disagg.bench.front import PROMPT, Driver, front_spec
+from disagg.bench.front import CEILING_FRONTS as FRONTS, PROMPT, Driver, front_spec
 from disagg.cli import build
 from disagg.engine.no_compute import skipped_compute
 from disagg.serve.server import TritonServer
@@ -29,7 +29,6 @@ from disagg.text import encode_prompt, load_tokenizer
 
 DECOUPLED = "model_transaction_policy { decoupled: true }\n"
 FATAL = re.compile(r"malloc|free\(\)|corrupted|double free|Signal \((?!15\))|ASSERTION FAILED")  # 15: our own stop
-FRONTS = ("ensemble", "tensorrt_llm_bls")
 
 
 def put_back_batcher(repository: Path) -> list[str]:
@@ -59,8 +58,9 @@ def serve(repository: Path, ids: list[int], minutes: float, streams: int, second
                         failure = str(exc)
                         break
                     tokens += driver.tokens_in_window
-                    if row.errors or server.process.poll() is not None:
-                        failure = f"{front}: {row.errors} errors, the server {'gone' if server.process.poll() is not None else 'still up'}"
+                    gone = server.process.poll() is not None
+                    if row.errors or gone:
+                        failure = f"{front}: {row.errors} errors, the server {'gone' if gone else 'still up'}"
                         break
                 else:
                     rounds += 1
