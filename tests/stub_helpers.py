@@ -90,9 +90,9 @@ PB_UTILS.get_input_tensor_by_name = lambda request, name: request.inputs.get(nam
 
 @contextlib.contextmanager
 def imported_with_stub(module: str):
-    """`module` (and disagg.triton.metrics and .responses, which it may import) imported against PB_UTILS;
-    removed afterwards."""
-    names = (module, "disagg.triton.metrics", "disagg.triton.responses")
+    """`module` (and disagg.triton.metrics, .responses and .response_thread, which it may import) imported
+    against PB_UTILS; removed afterwards."""
+    names = (module, "disagg.triton.metrics", "disagg.triton.responses", "disagg.triton.response_thread")
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "triton_python_backend_utils", PB_UTILS)
         for name in names:

@@ -3,9 +3,12 @@ many wait, tokens in order and nothing lost; with 0 (the default) every response
 the tensorrtllm backend streams. Runs the orchestrator's Hop in-process with a stand-in for the Python stub."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
-from stub_helpers import EngineStream, decode_hop, imported_with_stub
+from stub_helpers import EngineStream, Sender, decode_hop, imported_with_stub
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +58,53 @@ def test_an_error_behind_a_backlog_comes_after_its_tokens(orchestrator):
         for ids, _ in hop.results(5.0, lambda: False, coalesce_backlog=2):
             got.append(ids)
     assert got == [list(range(6))]
+
+
+class Entered(Sender):
+    """A client whose first send is held until `gate` is set; `entered` is set once that send has begun."""
+
+    def __init__(self, gate):
+        super().__init__(gate)
+        self.entered = threading.Event()
+
+    def send(self, response=None, flags=0):
+        self.entered.set()
+        super().send(response, flags)
+
+
+@pytest.mark.parametrize("backlog", [0, 4])
+def test_a_client_that_triton_sends_to_slowly_gets_its_tokens_coalesced(orchestrator, backlog):
+    """With a backlog setting the stream is paced (a response waits for the one before it to be sent), so
+    while Triton is slow to send, the engine's responses wait in the hop and go out together; without one,
+    each goes out on its own, however slowly they are sent."""
+    gate = threading.Event()
+    sender = Entered(gate)
+    out = orchestrator.ResponseThread("test")
+    client = orchestrator.ClientStream(out, sender, True, "stream", paced=backlog > 0)
+    stream = EngineStream()
+    hop = decode_hop(orchestrator, stream)
+
+    def serve():
+        for ids, _ in hop.results(5.0, lambda: False, coalesce_backlog=backlog):
+            client.emit(ids)
+        client.finish()
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    stream.on_response(Result([0]), None, False)
+    assert sender.entered.wait(5)  # token 0 is being sent, and stays so until the gate opens
+    for token in range(1, 10):  # one engine step apart
+        stream.on_response(Result([token]), None, False)
+        time.sleep(0.02)
+    stream.on_response(Result(None), None, True)
+    gate.set()
+    worker.join(10)
+    out.close()
+    got = sender.until_final()
+    new = [r.outputs["output_ids"].reshape(-1)[int(r.outputs["prefix_length"][0, 0]):].tolist() for r, _ in got]
+    assert [t for tokens in new for t in tokens] == list(range(10))
+    assert new[-1] == []  # the final response
+    if backlog:  # 0 alone; then 1, which waited for 0's send while 2-9 came; then 2-9 as one
+        assert new[:-1] == [[0], [1], list(range(2, 10))]
+    else:
+        assert new[:-1] == [[t] for t in range(10)]

@@ -116,6 +116,7 @@ def test_an_unexpected_fault_still_ends_the_request_with_an_error_and_a_log(orch
     model = object.__new__(orchestrator.TritonPythonModel)
     model.instance, model.mode, model.pool_routing, model.input_names = "disagg_orchestrator_0_0", "disaggregated", "least_loaded", {}
     model._lock, model._count, model.in_flight, model.failures = threading.Lock(), 0, _Count(), _Count()
+    model.out, model.coalesce_backlog = orchestrator.ResponseThread(model.instance), 0
     model._cancel_flag = lambda request_id: orchestrator.cancel_board.NoFlag()
     model._service_class = lambda value: None
     released = []
@@ -129,6 +130,7 @@ def test_an_unexpected_fault_still_ends_the_request_with_an_error_and_a_log(orch
     arrays = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32),
               "request_output_len": np.array([[4]], np.int32), "streaming": np.array([[True]])}
     model._serve(arrays, sender, 0.0)
+    model.out.close()
     ((response, flags),) = sender.until_final()
     assert sender.sent.empty()
     assert flags == orchestrator.FINAL

@@ -53,7 +53,9 @@ def test_the_engine_model_holds_its_tensors_through_each_send(pruning):
 def test_the_orchestrator_holds_its_tensors_through_each_send(pruning):
     with imported_with_stub("disagg.triton.orchestrator") as orchestrator:
         sender = Sender()
-        client = orchestrator.ClientStream(sender, True, "stream")
+        out = orchestrator.ResponseThread("test")
+        client = orchestrator.ClientStream(out, sender, True, "stream")
         client.emit([5, 6])
         client.finish()
+        out.close()
     assert sender.sends == [(5, 5), (5, 5)]

@@ -37,8 +37,8 @@ ORCHESTRATOR_NAME = {h.output: h.to for h in text_contract.PREPROCESSED}  # prep
 class TextStream(ClientStream):
     """Responses as `ensemble` gives them, each one's new tokens detokenized here as they come."""
 
-    def __init__(self, sender, streaming: bool, stream_id: str, detokenizer: Detokenizer):
-        super().__init__(sender, streaming, stream_id)
+    def __init__(self, out, sender, streaming: bool, stream_id: str, detokenizer: Detokenizer, paced: bool):
+        super().__init__(out, sender, streaming, stream_id, paced)
         self.text = IncrementalText(detokenizer)
 
     def _outputs(self, ids: list[int], prefix_length: int, final: bool) -> dict[str, np.ndarray]:
@@ -67,7 +67,7 @@ class TritonPythonModel(Orchestrator):
         return super()._copy_input(name, tensor)
 
     def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
-        return TextStream(sender, streaming, stream_id, self.detokenizer)
+        return TextStream(self.out, sender, streaming, stream_id, self.detokenizer, paced=self.coalesce_backlog > 0)
 
     def _cancel_flag(self, request_id: str) -> cancel_board.NoFlag:
         return cancel_board.NoFlag()
@@ -77,12 +77,12 @@ class TritonPythonModel(Orchestrator):
         try:
             prepared = prepare_request(self.pre, arrays, public_names=True)
         except InputError as exc:
-            ClientStream(sender, False, "").fail(str(exc))
+            self.out.fail(sender, str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - the client must get an answer; the worker would swallow it
             with STUB_LOCK:
                 pb_utils.Logger.log_error(f"tensorrt_llm_bls: {traceback.format_exc()}")
-            ClientStream(sender, False, "").fail(f"tensorrt_llm_bls: internal error: {exc}")
+            self.out.fail(sender, f"tensorrt_llm_bls: internal error: {exc}")
             return
         passed = {PASSED_ON[name]: array for name, array in arrays.items() if name in PASSED_ON}
         prepared_arrays = {ORCHESTRATOR_NAME[name]: array for name, array in prepared.outputs().items()}

@@ -3,7 +3,8 @@
 A decoupled Python model in the place of upstream's disaggregated BLS. It reaches the engine models
 through the server's own gRPC endpoint (see `Hop` for why not BLS). Where the upstream BLS blocks on
 one request at a time and throws the context phase's token away, this one:
-- serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`;
+- serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`,
+  and sends every client response from one thread (disagg.triton.response_thread);
 - streams the context phase's first token the moment prefill returns it (TTFT = prefill), and drops
   the copy of it that every generation-only response stream starts with (TensorRT-LLM re-adds it), so
   the client sees each token once;
@@ -53,7 +54,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg.engine.kv_cache import block_hashes
-from disagg.triton import cancel_board, credential, kv_index, load_board, replicas, responses, sla
+from disagg.triton import cancel_board, credential, kv_index, load_board, replicas, sla
 from disagg.triton.contract import (
     CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
     rename_inputs,
@@ -61,6 +62,7 @@ from disagg.triton.contract import (
 from disagg.triton.engine_stream import EngineServer, EngineStream, infer_request
 from disagg.triton.metrics import STUB_LOCK, TPOT_BUCKETS, TTFT_BUCKETS, Metrics, Updater
 from disagg.triton.paths import model_param, repository_root
+from disagg.triton.response_thread import ResponseThread
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
@@ -242,8 +244,13 @@ class Hop:
 class ClientStream:
     """What the client gets: token responses (streamed, or one at the end) with a UTF-8 prefix."""
 
-    def __init__(self, sender, streaming: bool, stream_id: str):
-        self.sender = sender
+    def __init__(self, out: ResponseThread, sender, streaming: bool, stream_id: str, paced: bool = False):
+        self.out, self.sender = out, sender
+        # paced: each response waits for the one before it to be sent, so a stream that Triton sends slower
+        # than its engine answers lets the engine's responses wait in its hop, where they are coalesced
+        self.previous_sent = threading.Event() if paced else None
+        if self.previous_sent is not None:
+            self.previous_sent.set()
         self.streaming = streaming
         self.stream_id = stream_id.encode()
         self.tokens: list[int] = []
@@ -258,9 +265,12 @@ class ClientStream:
     def _send(self, start: int, final: bool) -> None:
         prefix = max(0, start - PREFIX_TOKENS)
         ids = self.tokens[prefix:]
-        arrays = self._outputs(ids, start - prefix, final)
-        with STUB_LOCK:
-            responses.send(self.sender, [pb_utils.Tensor(name, array) for name, array in arrays.items()], FINAL if final else 0)
+        then = None
+        if self.previous_sent is not None:
+            self.previous_sent.wait()
+            self.previous_sent.clear()
+            then = self.previous_sent.set
+        self.out.send(self.sender, self._outputs(ids, start - prefix, final), FINAL if final else 0, then)
         self.sent = len(self.tokens)
 
     def _outputs(self, ids: list[int], prefix_length: int, final: bool) -> dict[str, np.ndarray]:
@@ -280,8 +290,7 @@ class ClientStream:
         self._send(self.sent if self.streaming else 0, final=True)
 
     def fail(self, message: str) -> None:
-        with STUB_LOCK:
-            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+        self.out.fail(self.sender, message)
 
 
 class TritonPythonModel:
@@ -320,6 +329,7 @@ class TritonPythonModel:
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
         self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
+        self.out = ResponseThread(self.instance)
         self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
         self.servers: dict[str, EngineServer] = {}  # by URL
         self.retired: list[EngineServer] = []  # of replicas that left (their streams half-closed)
@@ -390,7 +400,7 @@ class TritonPythonModel:
         return tensor.as_numpy().copy() if name in self.read_inputs else None
 
     def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
-        return ClientStream(sender, streaming, stream_id)
+        return ClientStream(self.out, sender, streaming, stream_id, paced=self.coalesce_backlog > 0)
 
     def _cancel_flag(self, request_id: str) -> cancel_board.CancelFlag | cancel_board.NoFlag:
         """Where postprocessing tells of a client's cancellation (through an ensemble it alone hears of it)."""
@@ -814,6 +824,7 @@ class TritonPythonModel:
         cancel_board.remove_leftovers(self.board_key, self.instance)  # of requests cut short by the stop
         self.workers.shutdown(wait=False, cancel_futures=True)
         self.closer.shutdown(wait=False)
+        self.out.close()
         self.metrics.updater.close()
         self.metrics.release()
         self.board.close()
