@@ -60,16 +60,20 @@ def test_an_error_behind_a_backlog_comes_after_its_tokens(orchestrator):
     assert got == [list(range(6))]
 
 
-class Entered(Sender):
-    """A client whose first send is held until `gate` is set; `entered` is set once that send has begun."""
 
-    def __init__(self, gate):
-        super().__init__(gate)
-        self.entered = threading.Event()
+def _held(lock, release: threading.Event) -> threading.Thread:
+    """A thread that holds `lock` (the stub's) until `release` is set: every response meanwhile is queued."""
+    taken = threading.Event()
 
-    def send(self, response=None, flags=0):
-        self.entered.set()
-        super().send(response, flags)
+    def hold():
+        with lock:
+            taken.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert taken.wait(5)
+    return thread
 
 
 @pytest.mark.parametrize("backlog", [0, 4])
@@ -77,8 +81,7 @@ def test_a_client_that_triton_sends_to_slowly_gets_its_tokens_coalesced(orchestr
     """With a backlog setting the stream is paced (a response waits for the one before it to be sent), so
     while Triton is slow to send, the engine's responses wait in the hop and go out together; without one,
     each goes out on its own, however slowly they are sent."""
-    gate = threading.Event()
-    sender = Entered(gate)
+    sender, release = Sender(), threading.Event()
     out = orchestrator.ResponseThread("test")
     client = orchestrator.ClientStream(out, sender, True, "stream", paced=backlog > 0)
     stream = EngineStream()
@@ -89,15 +92,19 @@ def test_a_client_that_triton_sends_to_slowly_gets_its_tokens_coalesced(orchestr
             client.emit(ids)
         client.finish()
 
+    holder = _held(orchestrator.STUB_LOCK, release)
     worker = threading.Thread(target=serve)
     worker.start()
     stream.on_response(Result([0]), None, False)
-    assert sender.entered.wait(5)  # token 0 is being sent, and stays so until the gate opens
+    deadline = time.monotonic() + 5
+    while not out._queued and time.monotonic() < deadline:  # token 0 queued behind the held lock
+        time.sleep(0.001)
     for token in range(1, 10):  # one engine step apart
         stream.on_response(Result([token]), None, False)
         time.sleep(0.02)
     stream.on_response(Result(None), None, True)
-    gate.set()
+    release.set()
+    holder.join(5)
     worker.join(10)
     out.close()
     got = sender.until_final()

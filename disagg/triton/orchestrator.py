@@ -4,7 +4,8 @@ A decoupled Python model in the place of upstream's disaggregated BLS. It reache
 through the server's own gRPC endpoint (see `Hop` for why not BLS). Where the upstream BLS blocks on
 one request at a time and throws the context phase's token away, this one:
 - serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`,
-  and sends every client response from one thread (disagg.triton.response_thread);
+  its responses sent at once while the stub is free, else queued for one thread that sends them in turn
+  (disagg.triton.response_thread);
 - streams the context phase's first token the moment prefill returns it (TTFT = prefill), and drops
   the copy of it that every generation-only response stream starts with (TensorRT-LLM re-adds it), so
   the client sees each token once;
