@@ -75,6 +75,21 @@ class EngineStream:
         pass
 
 
+def holding(lock) -> threading.Event:
+    """Holds `lock` (the stub's) on another thread until the returned event is set: meanwhile every response
+    a model sends is queued for its response thread (disagg.triton.response_thread)."""
+    taken, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            taken.set()
+            release.wait(10)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert taken.wait(5)
+    return release
+
+
 def decode_hop(orchestrator, stream):
     """A generation-only hop of request r1 to `decode`, sent on `stream`, run by the orchestrator module
     imported with this stub."""

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from stub_helpers import EngineStream, Sender, decode_hop, imported_with_stub
+from stub_helpers import EngineStream, Sender, decode_hop, holding, imported_with_stub
 
 
 @pytest.fixture(scope="module")
@@ -60,28 +60,12 @@ def test_an_error_behind_a_backlog_comes_after_its_tokens(orchestrator):
     assert got == [list(range(6))]
 
 
-
-def _held(lock, release: threading.Event) -> threading.Thread:
-    """A thread that holds `lock` (the stub's) until `release` is set: every response meanwhile is queued."""
-    taken = threading.Event()
-
-    def hold():
-        with lock:
-            taken.set()
-            release.wait(10)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    assert taken.wait(5)
-    return thread
-
-
 @pytest.mark.parametrize("backlog", [0, 4])
 def test_a_client_that_triton_sends_to_slowly_gets_its_tokens_coalesced(orchestrator, backlog):
     """With a backlog setting the stream is paced (a response waits for the one before it to be sent), so
     while Triton is slow to send, the engine's responses wait in the hop and go out together; without one,
     each goes out on its own, however slowly they are sent."""
-    sender, release = Sender(), threading.Event()
+    sender = Sender()
     out = orchestrator.ResponseThread("test")
     client = orchestrator.ClientStream(out, sender, True, "stream", paced=backlog > 0)
     stream = EngineStream()
@@ -92,7 +76,7 @@ def test_a_client_that_triton_sends_to_slowly_gets_its_tokens_coalesced(orchestr
             client.emit(ids)
         client.finish()
 
-    holder = _held(orchestrator.STUB_LOCK, release)
+    release = holding(orchestrator.STUB_LOCK)
     worker = threading.Thread(target=serve)
     worker.start()
     stream.on_response(Result([0]), None, False)
@@ -104,7 +88,6 @@ def test_a_client_that_triton_sends_to_slowly_gets_its_tokens_coalesced(orchestr
         time.sleep(0.02)
     stream.on_response(Result(None), None, True)
     release.set()
-    holder.join(5)
     worker.join(10)
     out.close()
     got = sender.until_final()

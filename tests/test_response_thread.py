@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from stub_helpers import FINAL, Sender, imported_with_stub
+from stub_helpers import FINAL, Sender, holding, imported_with_stub
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +32,6 @@ def _tokens(response) -> list[int]:
     return response.outputs["output_ids"].tolist()
 
 
-def _holding(lock):
-    """Holds `lock` on another thread until the returned event is set."""
-    taken, release = threading.Event(), threading.Event()
-
-    def hold():
-        with lock:
-            taken.set()
-            release.wait(10)
-
-    threading.Thread(target=hold).start()
-    assert taken.wait(5)
-    return release
-
-
 def test_with_the_stub_free_a_response_goes_out_on_the_callers_thread(module):
     out, sender, then = module.ResponseThread("test"), Recording(), []
     out.send(sender, {"output_ids": np.asarray([1])}, then=lambda: then.append(1))
@@ -57,7 +43,7 @@ def test_with_the_stub_free_a_response_goes_out_on_the_callers_thread(module):
 
 def test_with_the_stub_busy_responses_are_queued_and_each_stream_keeps_its_order(module):
     out, a, b = module.ResponseThread("test"), Recording(), Recording()
-    release = _holding(module.STUB_LOCK)
+    release = holding(module.STUB_LOCK)
     for token in range(1, 4):
         out.send(a, {"output_ids": np.asarray([token])})
         out.send(b, {"output_ids": np.asarray([10 + token])})
@@ -80,7 +66,7 @@ def test_with_the_stub_free_a_stream_with_a_response_queued_queues_the_next(modu
         inside_then.set()
         go_on.wait(10)
 
-    release = _holding(module.STUB_LOCK)
+    release = holding(module.STUB_LOCK)
     out.send(other, {"output_ids": np.asarray([0])}, then=stall)
     deadline = time.monotonic() + 5
     while not out._queue.empty() and time.monotonic() < deadline:  # until the thread has taken it, to wait for the lock
@@ -105,7 +91,7 @@ def test_a_send_that_raises_is_logged_and_the_next_responses_still_go_out(module
             raise RuntimeError("Unable to send response. Response sender has been closed.")
 
     out, fine, then = module.ResponseThread("orchestrator_0"), Sender(), []
-    release = _holding(module.STUB_LOCK)
+    release = holding(module.STUB_LOCK)
     out.send(Gone(), {"output_ids": np.asarray([1])}, then=lambda: then.append("gone"))
     out.send(fine, {"output_ids": np.asarray([2])}, FINAL, then=lambda: then.append("fine"))
     release.set()

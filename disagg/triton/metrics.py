@@ -208,4 +208,3 @@ class EngineMetrics(Metrics):
         self.hit_rate.set(stats.reused_blocks / stats.prompt_blocks if stats.prompt_blocks else 0.0)
         self.reused_tokens.set(stats.reused_blocks * stats.tokens_per_block)
         self.store_hits.set(stats.store_hits)
-
