@@ -35,6 +35,7 @@ class ResponseThread:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: dict[int, int] = {}  # id(sender) -> its responses queued and not yet sent
         self._count_lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="client-responses", daemon=True)
         self._thread.start()
 
@@ -49,12 +50,13 @@ class ResponseThread:
 
     def close(self) -> None:
         """Sends what is queued, then ends the thread."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=5)
 
     def _put(self, item: tuple) -> None:
         sender, then = item[0], item[3]
-        if not self._thread.is_alive():
+        if self._closed:
             if then is not None:
                 then()
             return
