@@ -181,7 +181,8 @@ class LLMEngine:
     # -- admission -------------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
         """Raises RequestError naming the field and limit (a prompt over the engine's maximum input length in
-        TensorRT-LLM's words, for every request type); accepts exactly what `step` can run."""
+        TensorRT-LLM's words, for every request type); accepts exactly what `step` can run. Reads the request
+        and the engine's fixed limits only, so it needs no lock; whether its id is in flight is `enqueue`'s."""
         b, vocab = self.config.build, self.config.model.vocab_size
         n = len(req.prompt_ids)
         if req.request_type not in REQUEST_TYPES:
@@ -213,8 +214,6 @@ class LLMEngine:
             req.context.kv.layout.check_compatible(self.layout)
         if blocks_for(self._reserve(req), b.tokens_per_block) > self.blocks.num_blocks:
             raise RequestError(f"request needs more KV blocks than this engine has ({self.blocks.num_blocks})")
-        if self.find(req.req_id) is not None:
-            raise RequestError(f"request id {req.req_id!r} is already in flight")
 
     @staticmethod
     def _reserve(req: Request) -> int:
@@ -224,13 +223,23 @@ class LLMEngine:
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
+        self.enqueue(req)
+
+    def enqueue(self, req: Request) -> None:
+        """Queues a validated request; raises RequestError when its id is already in flight."""
+        self._check_new_id(req.req_id)
         self.waiting.append(Sequence(req, list(req.prompt_ids)))
+
+    def _check_new_id(self, req_id: str) -> None:
+        if self.find(req_id) is not None:
+            raise RequestError(f"request id {req_id!r} is already in flight")
 
     def begin_import(self, req: Request) -> list[int] | None:
         """Reserves the blocks of a generation_only request that could be admitted right now (nothing
         waiting ahead of it, room in the batch, free blocks), so the caller can copy its KV straight in
         outside the step; None when it would have to wait (then `add_request` it)."""
         self.validate(req)
+        self._check_new_id(req.req_id)
         if req.request_type != "generation_only":
             raise RequestError(f"request_type: {req.request_type!r} cannot be imported")
         b = self.config.build

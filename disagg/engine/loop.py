@@ -1,7 +1,13 @@
 """Runs an `LLMEngine` on a background thread so a Triton model can submit requests and stream results.
 
-Callers never touch the engine directly: `submit`, `abort` and `release` take the lock (a `FairLock`, so
-a caller waits for the step under way, not for a gap between steps). Each request's `on_output(StepOutput)`
+Callers never touch the engine directly. `submit` validates and queues without the engine's lock, as
+TensorRT-LLM's `enqueueRequests` only queues for its loop (executor/executorImpl.cpp: `mQueuedRequests`,
+taken in by `getLeaderNewReqWithIds` at the top of an iteration): a model's `execute` that waited for the
+step under way let one request in per step, and at 64 streams the prefill model's requests queued for 0.35 s
+before Triton could hand it the next. The next holder of the lock takes the queued requests in first, so
+whatever it reads or changes (the waiting queue, an abort, the stats) sees them. `abort`, `release` and the
+KV import take the lock (a `FairLock`, so a caller waits for the step under way, not for a gap between
+steps). Each request's `on_output(StepOutput)`
 is called after every step, in order, by a delivery thread of its own, so the loop starts its next step
 while the last one's responses go out: as the tensorrtllm backend sends responses from a thread that
 awaits the executor's (model_instance_state.cc `WaitForResponse`), whose steps never wait for Triton. A
@@ -11,14 +17,16 @@ aborts its request: the KV is freed.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.engine.engine import LLMEngine, Request, StepOutput
+from disagg.engine.engine import LLMEngine, Request, RequestError, StepOutput
 from disagg.engine.fair_lock import FairLock
 
 OnOutput = Callable[[StepOutput], None]
@@ -61,6 +69,8 @@ class EngineLoop:
         self._lock = FairLock()  # the loop retakes it after every step: callers are served in turn, not starved
         self._wake = threading.Condition(self._lock)
         self._callbacks: dict[str, _Listener] = {}
+        self._submitted: deque[tuple[Request, _Listener]] = deque()  # validated, not yet in the engine
+        self._idle = False  # the loop waits for work: a submit must wake it
         self._deliveries: queue.SimpleQueue[list[tuple[_Listener, StepOutput]] | None] = queue.SimpleQueue()
         # requests done in the engine (not held) whose last output was queued / has been delivered or dropped;
         # each written by one thread (the loop, the delivery thread), so the difference needs no lock of its own
@@ -72,22 +82,46 @@ class EngineLoop:
         self._delivery.start()
 
     def submit(self, request: Request, on_output: OnOutput) -> None:
-        """Validates and queues; raises RequestError (nothing queued) for a bad request."""
+        """Validates and queues, without waiting for the step under way; raises RequestError (nothing queued)
+        for a bad request. An id already in flight is found when the request is taken in, and answered
+        through `on_output`, as TensorRT-LLM answers what it refuses in `fetchNewRequests`."""
+        self.engine.validate(request)
+        self._submitted.append((request, _Listener(on_output)))
+        if self._idle:  # read after the append: the loop sets it before its last look at the queue
+            with self._lock:
+                self._wake.notify()
+
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[None]:
+        """The engine's lock, the requests submitted since its last holder taken in."""
         with self._lock:
-            self.engine.add_request(request)
-            self._callbacks[request.req_id] = _Listener(on_output)
-            self._wake.notify()
+            self._take_submitted()
+            yield
+
+    def _take_submitted(self) -> None:
+        refused = []
+        while self._submitted:
+            request, listener = self._submitted.popleft()
+            try:
+                self.engine.enqueue(request)
+            except RequestError as exc:
+                refused.append((listener, StepOutput(request.req_id, (), True, "error", str(exc))))
+                continue
+            self._callbacks[request.req_id] = listener
+        if refused:
+            self._finals_queued += len(refused)
+            self._deliveries.put(refused)
 
     def begin_import(self, request: Request, on_output: OnOutput) -> list[int] | None:
         """`LLMEngine.begin_import`; when blocks are reserved the request is tracked like a submitted one."""
-        with self._lock:
+        with self._holding():
             blocks = self.engine.begin_import(request)
             if blocks is not None:
                 self._callbacks[request.req_id] = _Listener(on_output)
             return blocks
 
     def finish_import(self, req_id: str, copied: bool) -> bool:
-        with self._lock:
+        with self._holding():
             running = self.engine.finish_import(req_id, copied)
             if running:
                 self._wake.notify()
@@ -98,7 +132,7 @@ class EngineLoop:
     def abort(self, req_id: str) -> bool:
         """Cancels a request wherever it is; its callback is not called again (a call under way ends, and an
         output that finished the request before the abort is still delivered)."""
-        with self._lock:
+        with self._holding():
             self._drop(req_id)
             return self.engine.abort(req_id)
 
@@ -109,16 +143,16 @@ class EngineLoop:
             listener.active = False
 
     def release(self, req_id: str) -> bool:
-        with self._lock:
+        with self._holding():
             return self.engine.release(req_id)
 
     def call(self, fn: Callable[[LLMEngine], object]) -> object:
         """Runs fn(engine) under the engine lock (exporting KV, reading tables)."""
-        with self._lock:
+        with self._holding():
             return fn(self.engine)
 
     def stats(self) -> EngineStats:
-        with self._lock:
+        with self._holding():
             return self._stats()
 
     def _stats(self) -> EngineStats:
@@ -137,7 +171,7 @@ class EngineLoop:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Aborts everything in flight and joins the thread (Triton's finalize)."""
-        with self._lock:
+        with self._holding():
             self._stopping = True
             for req_id in list(self._callbacks):
                 self._drop(req_id)
@@ -159,9 +193,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
+            with self._holding():
                 while not self._stopping and not self.engine.has_work():
-                    self._wake.wait()
+                    self._idle = True
+                    if not self._submitted:
+                        self._wake.wait()
+                    self._idle = False
+                    self._take_submitted()
                 if self._stopping:
                     return
                 outputs = self._step()

@@ -374,8 +374,11 @@ class TritonPythonModel:
                                                    "was predicted to meet their class", {"service_class": name}) for name in self.classes}
 
     def execute(self, requests):
-        with STUB_LOCK:
-            self._accept(requests)
+        """Hands each request to a worker, without the stub's lock. Its calls (inputs, parameters, the
+        response sender) are the ones an engine model's execute makes while that model's delivery thread
+        sends responses, never under a lock. Taking the lock here made every arriving request wait out the
+        response thread's batch of sends: 19 ms an execute at 64 streams, while Triton held the next request."""
+        self._accept(requests)
         return None
 
     def _accept(self, requests) -> None:
