@@ -73,7 +73,8 @@ class EngineLoop:
         self._idle = False  # the loop waits for work: a submit must wake it
         self._deliveries: queue.SimpleQueue[list[tuple[_Listener, StepOutput]] | None] = queue.SimpleQueue()
         # requests done in the engine (not held) whose last output was queued / has been delivered or dropped;
-        # each written by one thread (the loop, the delivery thread), so the difference needs no lock of its own
+        # the first written under the engine's lock, the second by the delivery thread alone: the difference needs
+        # no lock of its own
         self._finals_queued = self._finals_delivered = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
