@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from engine_helpers import EngineFactory
 
-from disagg.bench.front import (PATHS, PROMPT, CeilingRound, Driver, Flight, Level, front_spec, measure, median_interval,
+from disagg.bench.front import (COALESCED, PATHS, PROMPT, CeilingRound, Driver, Flight, Level, front_spec, measure, median_interval,
                                 rotated, summary)
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
+from disagg.repository import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,11 +59,15 @@ def test_time_per_token_counts_every_token_of_a_coalesced_response():
 def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     peaks = iter([{16: 100.0, 64: 200.0}, {16: 300.0, 64: 150.0}])  # the computing engine's turn in each ceiling round
     rows, ceilings = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (2,), 1.0, 16, ceiling_rounds=2,
-                             engine_peak=lambda: next(peaks))
-    assert [r.path for r in rows] == list(PATHS)
-    # each ceiling round serves both fronts again at their best level, beside that round's engine timing
-    assert [(c.round, c.engine, sorted(c.fronts)) for c in ceilings] == [
-        (0, {16: 100.0, 64: 200.0}, ["ensemble", "tensorrt_llm_bls"]), (1, {16: 300.0, 64: 150.0}, ["ensemble", "tensorrt_llm_bls"])]
+                             engine_peak=lambda: next(peaks), coalesced_bls=3)
+    assert [r.path for r in rows] == [*PATHS, COALESCED]
+    # the coalescing BLS is the repository's own, its coalesce_backlog set
+    config = parse_config(COALESCED, (tmp_path / "front/model_repository" / COALESCED / "config.pbtxt").read_text())
+    assert config.parameters["coalesce_backlog"].string_value == "3" and config.parameters["mode"].string_value == "disaggregated"
+    # each ceiling round serves the fronts again at their best level, beside that round's engine timing
+    fronts = ["ensemble", "tensorrt_llm_bls", COALESCED]
+    assert [(c.round, c.engine, list(c.fronts)) for c in ceilings] == [
+        (0, {16: 100.0, 64: 200.0}, fronts), (1, {16: 300.0, 64: 150.0}, fronts)]
     for c in ceilings:
         for front, level in c.fronts.items():
             assert level.path == front and level.streams == 2 and level.errors == 0 and level.tokens_per_s > 0, level
@@ -70,7 +75,8 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     for r in rows:
         assert r.errors == 0 and r.completed > 0 and r.tokens_per_s > 0, r
         assert 0 < r.ttft_ms < 1000 and r.gap_ms > 0, r
-        assert r.token_ms == pytest.approx(r.gap_ms), r  # one token per response: no coalescing here
+        if r.path != COALESCED:
+            assert r.token_ms == pytest.approx(r.gap_ms), r  # one token per response: no coalescing here
     # CPU per token is attributed to the processes that spent it: the ensemble's front models only on the
     # paths that go through them.
     by = {r.path: r.cpu_ms_per_token for r in rows}
@@ -80,6 +86,7 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     assert by["ensemble"]["stub decode"] > 0.01
     assert by["prefill + decode"]["stub disagg_orchestrator"] < 0.2 * by["ensemble"]["stub disagg_orchestrator"], by
     assert by["prefill + decode"]["stub postprocessing"] < 0.2 * by["ensemble"]["stub postprocessing"], by
+    assert by[COALESCED][f"stub {COALESCED}"] > 0.05 and by[COALESCED]["stub tensorrt_llm_bls"] < 0.2 * by[COALESCED][f"stub {COALESCED}"], by
     assert by["aggregated"]["stub aggregated_orchestrator"] > 0.05 and by["aggregated"]["stub aggregated_engine"] > 0.01, by["aggregated"]
 
 
@@ -168,7 +175,7 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
     lines = summary(rows + rounds, [])
     assert lines[1] == ("  tensorrt_llm_bls vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +2.50 ms "
                         "(median within +1.00 to +4.00 at 95%; quartiles +1.75 to +3.25), per token +0.050 ms (+0.025 to +0.075)")
-    assert lines[-1].startswith("    prefill + decode   total 0.20")  # the rounds are no level: the CPU is the 64 streams'
+    assert lines[-1].startswith("    prefill + decode            total 0.20")  # the rounds are no level: the CPU is the 64 streams'
     floor = [Level("front_floor", 1, 0.0, ttft, 0.0, float("nan"), 1, 0, round=i) for i, ttft in ((0, 27.5), (1, 26.25))]
     lines = summary(rows + rounds + floor, [])
     assert lines[2:4] == ["  front_floor vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +0.88 ms "

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from disagg.bench.front import CEILING_FRONTS as FRONTS, PROMPT, Driver, front_spec
+from disagg.bench.front import FRONTS, PROMPT, Driver, front_spec
 from disagg.cli import build
 from disagg.engine.no_compute import skipped_compute
 from disagg.serve.server import TritonServer

@@ -13,6 +13,11 @@ until `--min-requests` sent in that time have completed) and per path, side by s
     aggregated_engine    that engine called directly
     front_floor          token ids in, the first token out: the least a Python model between client and engine
                          can add (disagg.bench.front_floor), in the alternated rounds only
+    tensorrt_llm_bls_coalesced
+                         tensorrt_llm_bls with `coalesce_backlog` (`--coalesced-bls`, default 2): a stream whose
+                         responses wait behind the model gets them merged, one that keeps up gets a token per
+                         response; a path and a front of the ceiling rounds of its own, so the two are compared
+                         on the same machine in the same minutes
 
 `--step-ms 20` makes every engine step take 20 ms without using the CPU, as a GPU's decode step would, so
 the engines' own cost does not compete with the front for this machine's cores.
@@ -62,10 +67,12 @@ from tools.stream_client import build_inputs, end_stream
 LEVELS = (1, 16, 64, 256)
 PATHS = ("ensemble", "tensorrt_llm_bls", "prefill + decode", "aggregated", "aggregated_engine")
 FLOOR = "front_floor"  # a path of the alternated rounds only: it answers the first token, no more
-TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated")
+COALESCED = "tensorrt_llm_bls_coalesced"  # tensorrt_llm_bls with coalesce_backlog (`install_coalesced`)
+TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated", COALESCED)
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
 CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside the front
-CEILING_FRONTS = ("ensemble", "tensorrt_llm_bls")
+FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts that stream through both engines
+CEILING_FRONTS = (*FRONTS, COALESCED)  # those of a run's paths
 ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
 MAX_WINDOW_S = 60.0  # a row's window at most, however few requests it has completed
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
@@ -111,6 +118,23 @@ def install_floor(repository: Path) -> None:
     (repository / FLOOR / "1").mkdir(parents=True, exist_ok=True)
     (repository / FLOOR / "config.pbtxt").write_text(FLOOR_CONFIG)
     (repository / FLOOR / "1" / "model.py").write_text("from disagg.bench.front_floor import TritonPythonModel  # noqa: F401\n")
+
+
+def install_coalesced(repository: Path, backlog: int) -> None:
+    """Adds COALESCED to a built repository: its tensorrt_llm_bls under another name, with `coalesce_backlog`
+    set to `backlog`."""
+    from google.protobuf import text_format
+
+    from disagg.repository import parse_config
+
+    source, target = repository / "tensorrt_llm_bls", repository / COALESCED
+    config = parse_config("tensorrt_llm_bls", (source / "config.pbtxt").read_text())
+    config.name = COALESCED
+    config.parameters["coalesce_backlog"].string_value = str(backlog)
+    (target / "1").mkdir(parents=True, exist_ok=True)
+    (target / "config.pbtxt").write_text(f"# tensorrt_llm_bls with coalesce_backlog {backlog}, for `python -m disagg.bench front` only\n"
+                                         + text_format.MessageToString(config))
+    (target / "1" / "model.py").write_text((source / "1" / "model.py").read_text())
 
 
 def _tensor(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
@@ -339,10 +363,11 @@ class Driver:
 
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
             coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0, alternate: int = 0,
-            ceiling_rounds: int = 0, engine_peak: Callable[[], dict[int, float]] | None = None,
+            ceiling_rounds: int = 0, engine_peak: Callable[[], dict[int, float]] | None = None, coalesced_bls: int = 0,
             ) -> tuple[list[Level], list[CeilingRound]]:
-    """A row per level and path; then `ceiling_rounds` rounds of `engine_peak` (the computing decode engine's
-    tokens/s by batch) and each front of CEILING_FRONTS at its best level; then, with `alternate`, that many
+    """A row per level and path (and COALESCED, with `coalesced_bls`: its coalesce_backlog); then `ceiling_rounds`
+    rounds of `engine_peak` (the computing decode engine's tokens/s by batch) and each front of CEILING_FRONTS
+    among the paths at its best level; then, with `alternate`, that many
     rounds of one request on each path and front_floor in turn (the first path rotating), each a row of its own
     with its `round`: a drift in the machine's speed, which moves a whole row's TTFT by milliseconds here, then
     hits every path's request of a round alike."""
@@ -353,6 +378,9 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
     spec = front_spec(config, out, max(levels), coalesce_backlog)
     build(spec, log=lambda _msg: None)
     install_floor(spec.model_repository)
+    if coalesced_bls:
+        install_coalesced(spec.model_repository, coalesced_bls)
+        paths = (*paths, COALESCED)
     ids = encode_prompt(load_tokenizer(spec.model.path), PROMPT)
     rows, ceilings = [], []
     (out / "server.log").unlink(missing_ok=True)  # TritonServer appends: an earlier run's errors are not this one's
@@ -366,14 +394,14 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                 for path in paths:
                     rows.append(driver.run(path, streams, seconds, min_requests))
                     r = rows[-1]
-                    print(f"  {r.path:<18}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
+                    print(f"  {r.path:<27}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
             best = {front: max((r for r in rows if r.path == front), key=lambda r: r.tokens_per_s).streams
-                    for front in CEILING_FRONTS} if ceiling_rounds else {}
+                    for front in CEILING_FRONTS if front in paths} if ceiling_rounds else {}
             for i in range(ceiling_rounds):
                 ceilings.append(ceiling_round(i, best, driver, seconds, min_requests, engine_peak))
                 c = ceilings[-1]
                 print(f"  ceiling round {i + 1}/{ceiling_rounds}: the {ENGINE} {max(c.engine.values()):.0f} tokens/s, "
-                      + ", ".join(f"{front} {c.fronts[front].tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front in CEILING_FRONTS),
+                      + ", ".join(f"{front} {level.tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front, level in c.fronts.items()),
                       flush=True)
             for i in range(alternate):
                 for path in rotated(rounds, i):
@@ -394,7 +422,7 @@ def ceiling_round(i: int, best: dict[str, int], driver: Driver, seconds: float, 
                   engine_peak: Callable[[], dict[int, float]]) -> CeilingRound:
     """The engine's turn and each front's at `best[front]` streams (where its row served most), in rotated order."""
     engine, fronts = {}, {}
-    for turn in rotated((ENGINE, *CEILING_FRONTS), i):
+    for turn in rotated((ENGINE, *best), i):
         if turn == ENGINE:
             engine = engine_peak()
         else:
@@ -442,7 +470,8 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     rows = [r for r in rows if r.round is None]
     by = {(r.path, r.streams): r for r in rows}
     lines = []
-    for front, direct in (("ensemble", "prefill + decode"), ("tensorrt_llm_bls", "prefill + decode"), ("aggregated", "aggregated_engine")):
+    for front, direct in (("ensemble", "prefill + decode"), ("tensorrt_llm_bls", "prefill + decode"), (COALESCED, "prefill + decode"),
+                          ("aggregated", "aggregated_engine")):
         one_f, one_d = by.get((front, 1)), by.get((direct, 1))
         if one_f and one_d:
             lines.append(f"  {front} vs {direct}, 1 stream: TTFT {one_f.ttft_ms - one_d.ttft_ms:+.2f} ms, per token "
@@ -455,7 +484,7 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
         paired = _paired(rounds, front, direct)
         if paired:
             lines.append(paired)
-    for front, direct in ((FLOOR, "prefill + decode"), ("tensorrt_llm_bls", FLOOR)):
+    for front, direct in ((FLOOR, "prefill + decode"), ("tensorrt_llm_bls", FLOOR), (COALESCED, "tensorrt_llm_bls")):
         paired = _paired(rounds, front, direct)
         if paired:
             lines.append(paired)
@@ -463,13 +492,13 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     lines.append(f"  CPU ms per output token by process, {top} streams (2+ cores busy means the machine, not the engine, is the limit):")
     for r in (r for r in rows if r.streams == top):
         shown = shares(r.cpu_ms_per_token)
-        lines.append(f"    {r.path:<18} total {sum(ms for _, ms in shown):.2f}: " + ", ".join(f"{name} {ms:.2f}" for name, ms in shown))
+        lines.append(f"    {r.path:<27} total {sum(ms for _, ms in shown):.2f}: " + ", ".join(f"{name} {ms:.2f}" for name, ms in shown))
     if not ceilings:
         return lines
     engine = [max(c.engine.values()) for c in ceilings]
     lines.append(f"  the {ENGINE}'s best tokens/s by round (bench-100mb, batch {' or '.join(map(str, CEILING_BATCHES))}): "
                  + ", ".join(f"{rate:.0f}" for rate in engine))
-    for front in CEILING_FRONTS:
+    for front in (f for f in CEILING_FRONTS if f in ceilings[0].fronts):
         ratios = [c.ratio(front) for c in ceilings]
         served = [c.fronts[front].tokens_per_s for c in ceilings]
         lines.append(f"  front ceiling ({front}, {ceilings[0].fronts[front].streams} streams) / the {ENGINE}'s best, "
@@ -495,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="each engine step takes this long without using the CPU, as on a GPU (default 0: as fast as it goes)")
     p.add_argument("--coalesce-backlog", type=int, default=0,
                    help="the orchestrators' coalesce_backlog (default 0: one token per response, as the spec's default)")
+    p.add_argument("--coalesced-bls", type=int, default=2,
+                   help=f"adds {COALESCED}, tensorrt_llm_bls with this coalesce_backlog, as a path and a front of the "
+                        "ceiling rounds (0: not)")
     args = p.parse_args(argv)
     levels = tuple(int(x) for x in args.levels.split(","))
     step = f"{args.step_ms:g} ms per engine step" if args.step_ms else "engine steps as fast as they go"
@@ -503,10 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"front cost with engine compute skipped ({step}; {args.max_tokens} tokens per request, {args.seconds:g} s per row "
           f"or until {args.min_requests} requests have completed; "
           "ms: TTFT p50, p50 of each request's mean gap between token responses and of its time per token after the first)")
-    print(f"  {'path':<18}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'ms/token':>11}{'requests':>10}{'errors':>8}")
+    print(f"  {'path':<27}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'ms/token':>11}{'requests':>10}{'errors':>8}")
     rows, ceilings = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog,
                              min_requests=args.min_requests, alternate=args.alternate, ceiling_rounds=args.ceiling_rounds,
-                             engine_peak=lambda: engine_ceiling(Path("build"), CEILING_BATCHES))
+                             engine_peak=lambda: engine_ceiling(Path("build"), CEILING_BATCHES), coalesced_bls=args.coalesced_bls)
     for line in summary(rows, ceilings):
         print(line)
     saved = args.out / "front.json"
