@@ -90,11 +90,21 @@ def holding(lock) -> threading.Event:
     return release
 
 
-def decode_hop(orchestrator, stream):
+def decode_hop(orchestrator, stream, **options):
     """A generation-only hop of request r1 to `decode`, sent on `stream`, run by the orchestrator module
-    imported with this stub."""
+    imported with this stub; `options`: Hop's keyword arguments."""
     return orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:8001"), {"input_ids": np.zeros((1, 2), np.int32)},
-                            "r1", "generation_only", "key", orchestrator.load_board.Liveness())
+                            "r1", "generation_only", "key", orchestrator.load_board.Liveness(), **options)
+
+
+class EngineResult:
+    """An engine response as a hop reads it: `tokens` as output_ids (None: a response without them)."""
+
+    def __init__(self, tokens: list[int] | None):
+        self.tokens = tokens
+
+    def as_numpy(self, name):
+        return None if name != "output_ids" or self.tokens is None else np.asarray([[self.tokens]], dtype=np.int32)
 
 
 PB_UTILS = types.ModuleType("triton_python_backend_utils")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
-from stub_helpers import EngineStream, Sender, decode_hop, holding, imported_with_stub
+from stub_helpers import EngineResult, EngineStream, Sender, decode_hop, holding, imported_with_stub
 
 
 @pytest.fixture(scope="module")
@@ -17,21 +16,13 @@ def orchestrator():
         yield module
 
 
-class Result:
-    def __init__(self, tokens):
-        self.tokens = tokens
-
-    def as_numpy(self, name):
-        return None if name != "output_ids" or self.tokens is None else np.asarray([[self.tokens]], dtype=np.int32)
-
-
 def _hop(orchestrator, responses: list[list[int]], error: str | None = None):
     """A hop whose engine already sent `responses` (one token list each), then an error or the final one."""
     stream = EngineStream()
     hop = decode_hop(orchestrator, stream)
     for tokens in responses:
-        stream.on_response(Result(tokens), None, False)
-    stream.on_response(None, error, True) if error else stream.on_response(Result(None), None, True)  # the empty final
+        stream.on_response(EngineResult(tokens), None, False)
+    stream.on_response(None, error, True) if error else stream.on_response(EngineResult(None), None, True)  # the empty final
     return hop
 
 
@@ -79,14 +70,14 @@ def test_a_client_that_triton_sends_to_slowly_gets_its_tokens_coalesced(orchestr
     release = holding(orchestrator.STUB_LOCK)
     worker = threading.Thread(target=serve)
     worker.start()
-    stream.on_response(Result([0]), None, False)
+    stream.on_response(EngineResult([0]), None, False)
     deadline = time.monotonic() + 5
     while not out._queued and time.monotonic() < deadline:  # token 0 queued behind the held lock
         time.sleep(0.001)
     for token in range(1, 10):  # one engine step apart
-        stream.on_response(Result([token]), None, False)
+        stream.on_response(EngineResult([token]), None, False)
         time.sleep(0.02)
-    stream.on_response(Result(None), None, True)
+    stream.on_response(EngineResult(None), None, True)
     release.set()
     worker.join(10)
     out.close()

@@ -28,7 +28,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class ResponseThread:
     """Sends the responses given to `send` and `fail`, until `close`. Each sender's responses come from one
-    thread of the caller's (its request's worker)."""
+    thread of the caller's at a time, in order (its request's worker, and before it the engine stream's reader
+    with the first token)."""
 
     def __init__(self, name: str):
         self.name = name
