@@ -163,9 +163,9 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
     assert lines[-3:] == [
         "  the computing decode engine's best tokens/s by round (bench-100mb, batch 16 or 64): 400, 600, 300",
         "  front ceiling (ensemble, 64 streams) / the computing decode engine's best, 3 rounds: median 2.00x (1.50x to 2.50x; "
-        "by round 2.50x, 1.50x, 2.00x), the front serving 900 tokens/s (median)",
+        "by round 2.50x, 1.50x, 2.00x), the front serving 900 tokens/s (median); 0 of 3 rounds at 3x or more",
         "  front ceiling (tensorrt_llm_bls, 64 streams) / the computing decode engine's best, 3 rounds: median 3.00x (2.50x to 3.50x; "
-        "by round 3.00x, 2.50x, 3.50x), the front serving 1200 tokens/s (median)"]
+        "by round 3.00x, 2.50x, 3.50x), the front serving 1200 tokens/s (median); 2 of 3 rounds at 3x or more"]
     lines = summary(rows, [])
     assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured
     rounds = [Level(path, 1, 0.0, ttft, 21.0, token, 1, 0, round=i) for i, (path, ttft, token) in enumerate(

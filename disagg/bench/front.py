@@ -74,6 +74,7 @@ CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside
 FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts that stream through both engines
 CEILING_FRONTS = (*FRONTS, COALESCED)  # those of a run's paths
 ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
+CEILING_TARGET = 3.0  # a front's ceiling should be this many times the engine's peak: each front's rounds are counted against it
 MAX_WINDOW_S = 60.0  # a row's window at most, however few requests it has completed
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
 
@@ -503,7 +504,8 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
         served = [c.fronts[front].tokens_per_s for c in ceilings]
         lines.append(f"  front ceiling ({front}, {ceilings[0].fronts[front].streams} streams) / the {ENGINE}'s best, "
                      f"{len(ceilings)} rounds: median {np.median(ratios):.2f}x ({min(ratios):.2f}x to {max(ratios):.2f}x; "
-                     f"by round {', '.join(f'{r:.2f}x' for r in ratios)}), the front serving {np.median(served):.0f} tokens/s (median)")
+                     f"by round {', '.join(f'{r:.2f}x' for r in ratios)}), the front serving {np.median(served):.0f} tokens/s (median); "
+                     f"{sum(r >= CEILING_TARGET for r in ratios)} of {len(ratios)} rounds at {CEILING_TARGET:g}x or more")
     return lines
 
 

@@ -517,6 +517,7 @@ class TritonPythonModel:
             if int(inputs["request_output_len"].reshape(-1)[0]) <= 1:  # the context phase is all of it
                 self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
                 return
+
             def first_out(token: int) -> None:  # on the prefill stream's reader thread
                 client.emit([token])
                 self.ttft.observe(time.monotonic() - arrival)
