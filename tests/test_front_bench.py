@@ -65,7 +65,7 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path):
     config = parse_config(COALESCED, (tmp_path / "front/model_repository" / COALESCED / "config.pbtxt").read_text())
     assert config.parameters["coalesce_backlog"].string_value == "3" and config.parameters["mode"].string_value == "disaggregated"
     # each ceiling round serves the fronts again at their best level, beside that round's engine timing
-    fronts = ["ensemble", "tensorrt_llm_bls", COALESCED]
+    fronts = ["ensemble", "tensorrt_llm_bls", COALESCED, "prefill + decode"]  # the engines called directly: the bound
     assert [(c.round, c.engine, list(c.fronts)) for c in ceilings] == [
         (0, {16: 100.0, 64: 200.0}, fronts), (1, {16: 300.0, 64: 150.0}, fronts)]
     for c in ceilings:
@@ -155,17 +155,22 @@ def test_the_median_of_the_rounds_comes_with_how_far_it_can_be_trusted():
 def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_round():
     rows = [Level("tensorrt_llm_bls", 64, 1200.0, 200.0, 40.0, 40.0, 700, 0, {"tritonserver": 0.3, "stub tensorrt_llm_bls": 0.4}),
             Level("prefill + decode", 64, 2400.0, 60.0, 21.0, 21.0, 1400, 0, {"tritonserver": 0.2})]
-    served = [(400.0, 1200.0, 1000.0), (600.0, 1500.0, 900.0), (300.0, 1050.0, 600.0)]  # engine, BLS, ensemble
+    served = [(400.0, 1200.0, 1000.0, 2000.0), (600.0, 1500.0, 900.0, 2500.0), (300.0, 1050.0, 600.0, 1500.0)]  # engine, BLS, ensemble, direct
     ceilings = [CeilingRound(i, {16: engine / 2, 64: engine},
-                             {"tensorrt_llm_bls": replace(rows[0], tokens_per_s=bls), "ensemble": replace(rows[0], path="ensemble", tokens_per_s=ens)})
-                for i, (engine, bls, ens) in enumerate(served)]
+                             {"tensorrt_llm_bls": replace(rows[0], tokens_per_s=bls), "ensemble": replace(rows[0], path="ensemble", tokens_per_s=ens),
+                              "prefill + decode": replace(rows[1], tokens_per_s=direct)})
+                for i, (engine, bls, ens, direct) in enumerate(served)]
     lines = summary(rows, ceilings)
-    assert lines[-3:] == [
+    assert lines[-4:] == [
         "  the computing decode engine's best tokens/s by round (bench-100mb, batch 16 or 64): 400, 600, 300",
         "  front ceiling (ensemble, 64 streams) / the computing decode engine's best, 3 rounds: median 2.00x (1.50x to 2.50x; "
-        "by round 2.50x, 1.50x, 2.00x), the front serving 900 tokens/s (median); 0 of 3 rounds at 3x or more",
+        "by round 2.50x, 1.50x, 2.00x), the front serving 900 tokens/s (median); 0 of 3 rounds at 3x or more; "
+        "0.40 of the engines called directly in the same round (median)",
         "  front ceiling (tensorrt_llm_bls, 64 streams) / the computing decode engine's best, 3 rounds: median 3.00x (2.50x to 3.50x; "
-        "by round 3.00x, 2.50x, 3.50x), the front serving 1200 tokens/s (median); 2 of 3 rounds at 3x or more"]
+        "by round 3.00x, 2.50x, 3.50x), the front serving 1200 tokens/s (median); 2 of 3 rounds at 3x or more; "
+        "0.60 of the engines called directly in the same round (median)",
+        "  without a front (prefill + decode, 64 streams) / the computing decode engine's best, 3 rounds: median 5.00x (4.17x to 5.00x; "
+        "by round 5.00x, 4.17x, 5.00x), serving 2000 tokens/s (median); 3 of 3 rounds at 3x or more"]
     lines = summary(rows, [])
     assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured
     rounds = [Level(path, 1, 0.0, ttft, 21.0, token, 1, 0, round=i) for i, (path, ttft, token) in enumerate(

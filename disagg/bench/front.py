@@ -65,14 +65,15 @@ from disagg.triton.credential import PARAMETER
 from tools.stream_client import build_inputs, end_stream
 
 LEVELS = (1, 16, 64, 256)
-PATHS = ("ensemble", "tensorrt_llm_bls", "prefill + decode", "aggregated", "aggregated_engine")
+DIRECT = "prefill + decode"  # the engines called directly: no front serves more than they do beside it
+PATHS = ("ensemble", "tensorrt_llm_bls", DIRECT, "aggregated", "aggregated_engine")
 FLOOR = "front_floor"  # a path of the alternated rounds only: it answers the first token, no more
 COALESCED = "tensorrt_llm_bls_coalesced"  # tensorrt_llm_bls with coalesce_backlog (`install_coalesced`)
 TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated", COALESCED)
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
 CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside the front
 FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts that stream through both engines
-CEILING_FRONTS = (*FRONTS, COALESCED)  # those of a run's paths
+CEILING_PATHS = (*FRONTS, COALESCED, DIRECT)  # those of a run's paths timed in each ceiling round
 ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
 CEILING_TARGET = 3.0  # a front's ceiling should be this many times the engine's peak: each front's rounds are counted against it
 MAX_WINDOW_S = 60.0  # a row's window at most, however few requests it has completed
@@ -367,7 +368,7 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
             ceiling_rounds: int = 0, engine_peak: Callable[[], dict[int, float]] | None = None, coalesced_bls: int = 0,
             ) -> tuple[list[Level], list[CeilingRound]]:
     """A row per level and path (and COALESCED, with `coalesced_bls`: its coalesce_backlog); then `ceiling_rounds`
-    rounds of `engine_peak` (the computing decode engine's tokens/s by batch) and each front of CEILING_FRONTS
+    rounds of `engine_peak` (the computing decode engine's tokens/s by batch) and each path of CEILING_PATHS
     among the paths at its best level; then, with `alternate`, that many
     rounds of one request on each path and front_floor in turn (the first path rotating), each a row of its own
     with its `round`: a drift in the machine's speed, which moves a whole row's TTFT by milliseconds here, then
@@ -397,7 +398,7 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                     r = rows[-1]
                     print(f"  {r.path:<27}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
             best = {front: max((r for r in rows if r.path == front), key=lambda r: r.tokens_per_s).streams
-                    for front in CEILING_FRONTS if front in paths} if ceiling_rounds else {}
+                    for front in CEILING_PATHS if front in paths} if ceiling_rounds else {}
             for i in range(ceiling_rounds):
                 ceilings.append(ceiling_round(i, best, driver, seconds, min_requests, engine_peak))
                 c = ceilings[-1]
@@ -471,7 +472,7 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     rows = [r for r in rows if r.round is None]
     by = {(r.path, r.streams): r for r in rows}
     lines = []
-    for front, direct in (("ensemble", "prefill + decode"), ("tensorrt_llm_bls", "prefill + decode"), (COALESCED, "prefill + decode"),
+    for front, direct in (("ensemble", DIRECT), ("tensorrt_llm_bls", DIRECT), (COALESCED, DIRECT),
                           ("aggregated", "aggregated_engine")):
         one_f, one_d = by.get((front, 1)), by.get((direct, 1))
         if one_f and one_d:
@@ -485,7 +486,7 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
         paired = _paired(rounds, front, direct)
         if paired:
             lines.append(paired)
-    for front, direct in ((FLOOR, "prefill + decode"), ("tensorrt_llm_bls", FLOOR), (COALESCED, "tensorrt_llm_bls")):
+    for front, direct in ((FLOOR, DIRECT), ("tensorrt_llm_bls", FLOOR), (COALESCED, "tensorrt_llm_bls")):
         paired = _paired(rounds, front, direct)
         if paired:
             lines.append(paired)
@@ -499,13 +500,19 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     engine = [max(c.engine.values()) for c in ceilings]
     lines.append(f"  the {ENGINE}'s best tokens/s by round (bench-100mb, batch {' or '.join(map(str, CEILING_BATCHES))}): "
                  + ", ".join(f"{rate:.0f}" for rate in engine))
-    for front in (f for f in CEILING_FRONTS if f in ceilings[0].fronts):
+    for front in (f for f in CEILING_PATHS if f in ceilings[0].fronts):
         ratios = [c.ratio(front) for c in ceilings]
         served = [c.fronts[front].tokens_per_s for c in ceilings]
-        lines.append(f"  front ceiling ({front}, {ceilings[0].fronts[front].streams} streams) / the {ENGINE}'s best, "
-                     f"{len(ceilings)} rounds: median {np.median(ratios):.2f}x ({min(ratios):.2f}x to {max(ratios):.2f}x; "
-                     f"by round {', '.join(f'{r:.2f}x' for r in ratios)}), the front serving {np.median(served):.0f} tokens/s (median); "
-                     f"{sum(r >= CEILING_TARGET for r in ratios)} of {len(ratios)} rounds at {CEILING_TARGET:g}x or more")
+        what = "without a front" if front == DIRECT else "front ceiling"
+        line = (f"  {what} ({front}, {ceilings[0].fronts[front].streams} streams) / the {ENGINE}'s best, "
+                f"{len(ceilings)} rounds: median {np.median(ratios):.2f}x ({min(ratios):.2f}x to {max(ratios):.2f}x; "
+                f"by round {', '.join(f'{r:.2f}x' for r in ratios)}), {'the front ' if front != DIRECT else ''}serving "
+                f"{np.median(served):.0f} tokens/s (median); {sum(r >= CEILING_TARGET for r in ratios)} of {len(ratios)} rounds at "
+                f"{CEILING_TARGET:g}x or more")
+        if front != DIRECT and DIRECT in ceilings[0].fronts:
+            shares_of_direct = [c.fronts[front].tokens_per_s / c.fronts[DIRECT].tokens_per_s for c in ceilings]
+            line += f"; {np.median(shares_of_direct):.2f} of the engines called directly in the same round (median)"
+        lines.append(line)
     return lines
 
 
