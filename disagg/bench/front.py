@@ -30,7 +30,8 @@ process (tritonserver, each model's Python stub, this client) over the window of
 which is what limits the front on a machine whose cores it saturates. The front's ceiling is then set against
 the engines' own: `--ceiling-rounds` rounds, each timing the decode tokens/s of the reference engine on the
 `bench-100mb` model, computing (its best of batch 16 and 64), and each front at the level where its row served
-most, in turn (the first rotating). This machine's speed moves by up to 2x over minutes, which a ratio of
+most, in turn (the first rotating), and the engines called directly at theirs: no front serves more than they
+do in the same round, so each front's share of them says how far it is from the bound. This machine's speed moves by up to 2x over minutes, which a ratio of
 figures timed minutes apart takes for the front's; within a round it moves both alike, so the ratio is given
 per round, with the median. Last, `--alternate` rounds of one request on each path in turn give the one-stream
 comparison again, as the median of the rounds' differences with its 95% interval, and their quartiles, which a
