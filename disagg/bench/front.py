@@ -31,12 +31,13 @@ which is what limits the front on a machine whose cores it saturates. The front'
 the engines' own: `--ceiling-rounds` rounds, each timing the decode tokens/s of the reference engine on the
 `bench-100mb` model, computing (its best of batch 16 and 64), and each front at the level where its row served
 most, in turn (the first rotating), and the engines called directly at theirs: no front serves more than they
-do in the same round, so each front's share of them says how far it is from the bound. This machine's speed moves by up to 2x over minutes, which a ratio of
-figures timed minutes apart takes for the front's; within a round it moves both alike, so the ratio is given
-per round, with the median. Last, `--alternate` rounds of one request on each path in turn give the one-stream
-comparison again, as the median of the rounds' differences with its 95% interval, and their quartiles, which a
-drift in the machine's speed between two rows does not move; front_floor's rounds say how much of
-tensorrt_llm_bls's added TTFT any Python model and gRPC hop would add here, and how much is its own.
+do in the same round, so each front's share of them says how far it is from the bound. This machine's speed
+moves by up to 2x over minutes, which a ratio of figures timed minutes apart takes for the front's; within a
+round it moves both alike, so the ratio is given per round, with the median. Last, `--alternate` rounds of one
+request on each path in turn give the one-stream comparison again, as the median of the rounds' differences
+with its 95% interval, and their quartiles, which a drift in the machine's speed between two rows does not
+move; front_floor's rounds say how much of tensorrt_llm_bls's added TTFT any Python model and gRPC hop would
+add here, and how much is its own.
 The rows are saved to `<out>/front.json`, from which `loadtest plan --front` sizes a GPU deployment's front
 (disagg.planner.front_cost).
 
