@@ -74,12 +74,12 @@ def test_an_engine_model_unloads_while_the_orchestrator_s_stream_to_it_stays_ope
     assert len(stubs_of(repository / "aggregated_engine")) == INSTANCES
     grpcclient.InferenceServerClient(server.grpc_url).unload_model("aggregated_engine")
     deadline = time.monotonic() + 5
-
-    def unloaded() -> bool:  # Triton logs the unload after the last stub has gone, so wait for both
-        return not stubs_of(repository / "aggregated_engine") and "successfully unloaded 'aggregated_engine'" in server.log_path.read_text()
-
-    while not (done := unloaded()) and time.monotonic() < deadline:
+    while True:  # Triton logs the unload after the last stub has gone, so wait for both
+        left = stubs_of(repository / "aggregated_engine")
+        log = server.log_path.read_text()
+        if (not left and "successfully unloaded 'aggregated_engine'" in log) or time.monotonic() > deadline:
+            break
         time.sleep(0.1)
-    assert stubs_of(repository / "aggregated_engine") == [], "the unloaded engine's stubs still run while the orchestrator's stream is open"
-    assert done, server.log_path.read_text()[-3000:]
+    assert left == [], "the unloaded engine's stubs still run while the orchestrator's stream is open"
+    assert "successfully unloaded 'aggregated_engine'" in log, log[-3000:]
     assert server.stop() == 0

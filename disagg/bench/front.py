@@ -505,13 +505,13 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     for front in (f for f in CEILING_PATHS if f in ceilings[0].fronts):
         ratios = [c.ratio(front) for c in ceilings]
         served = [c.fronts[front].tokens_per_s for c in ceilings]
-        what = "without a front" if front == DIRECT else "front ceiling"
+        what, who = ("without a front", "") if front == DIRECT else ("front ceiling", "the front ")
         line = (f"  {what} ({front}, {ceilings[0].fronts[front].streams} streams) / the {ENGINE}'s best, "
                 f"{len(ceilings)} rounds: median {np.median(ratios):.2f}x ({min(ratios):.2f}x to {max(ratios):.2f}x; "
-                f"by round {', '.join(f'{r:.2f}x' for r in ratios)}), {'the front ' if front != DIRECT else ''}serving "
+                f"by round {', '.join(f'{r:.2f}x' for r in ratios)}), {who}serving "
                 f"{np.median(served):.0f} tokens/s (median); {sum(r >= CEILING_TARGET for r in ratios)} of {len(ratios)} rounds at "
                 f"{CEILING_TARGET:g}x or more")
-        if front != DIRECT and DIRECT in ceilings[0].fronts:
+        if who and DIRECT in ceilings[0].fronts:
             shares_of_direct = [c.fronts[front].tokens_per_s / c.fronts[DIRECT].tokens_per_s for c in ceilings]
             line += f"; {np.median(shares_of_direct):.2f} of the engines called directly in the same round (median)"
         lines.append(line)
