@@ -161,8 +161,8 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
                               "prefill + decode": replace(rows[1], tokens_per_s=direct)})
                 for i, (engine, bls, ens, direct) in enumerate(served)]
     lines = summary(rows, ceilings)
-    assert lines[-4:] == [
-        "  the computing decode engine's best tokens/s by round (bench-100mb, batch 16 or 64): 400, 600, 300",
+    start = lines.index("  the computing decode engine's best tokens/s by round (bench-100mb, batch 16 or 64): 400, 600, 300")
+    assert lines[start + 1:start + 4] == [
         "  front ceiling (ensemble, 64 streams) / the computing decode engine's best, 3 rounds: median 2.00x (1.50x to 2.50x; "
         "by round 2.50x, 1.50x, 2.00x), the front serving 900 tokens/s (median); 0 of 3 rounds at 3x or more; "
         "0.40 of the engines called directly in the same round (median)",
@@ -171,6 +171,12 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
         "0.60 of the engines called directly in the same round (median)",
         "  without a front (prefill + decode, 64 streams) / the computing decode engine's best, 3 rounds: median 5.00x (4.17x to 5.00x; "
         "by round 5.00x, 4.17x, 5.00x), serving 2000 tokens/s (median); 3 of 3 rounds at 3x or more"]
+    assert lines[start + 4:] == [
+        "  against the targets (one request at a time, the medians of the alternated rounds against prefill + decode: "
+        "TTFT added <= 1.5 ms, per token <= 0.1 ms; every ceiling round at 3x or more):",
+        "    ensemble                    ceiling at 3x in 0 of 3 rounds (not met)",
+        "    tensorrt_llm_bls            ceiling at 3x in 2 of 3 rounds (not met)",
+        "  bounds on this machine: the engines called directly serve 4.17x to 5.00x the computing decode engine's peak"]
     lines = summary(rows, [])
     assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured
     rounds = [Level(path, 1, 0.0, ttft, 21.0, token, 1, 0, round=i) for i, (path, ttft, token) in enumerate(
@@ -180,13 +186,16 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
     lines = summary(rows + rounds, [])
     assert lines[1] == ("  tensorrt_llm_bls vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +2.50 ms "
                         "(median within +1.00 to +4.00 at 95%; quartiles +1.75 to +3.25), per token +0.050 ms (+0.025 to +0.075)")
-    assert lines[-1].startswith("    prefill + decode            total 0.20")  # the rounds are no level: the CPU is the 64 streams'
+    cpu = next(i for i, line in enumerate(lines) if line.startswith("  CPU ms per output token"))
+    assert lines[cpu + 2].startswith("    prefill + decode            total 0.20")  # the rounds are no level: the CPU is the 64 streams'
+    assert lines[-1] == "    tensorrt_llm_bls            TTFT +2.50 ms (not met); per token +0.050 ms (met)"  # no bound measured
     floor = [Level("front_floor", 1, 0.0, ttft, 0.0, float("nan"), 1, 0, round=i) for i, ttft in ((0, 27.5), (1, 26.25))]
     lines = summary(rows + rounds + floor, [])
     assert lines[2:4] == ["  front_floor vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +0.88 ms "
                           "(median within +0.25 to +1.50 at 95%; quartiles +0.56 to +1.19)",
                           "  tensorrt_llm_bls vs front_floor, one request at a time, alternated (2 rounds): TTFT +1.62 ms "
                           "(median within +0.75 to +2.50 at 95%; quartiles +1.19 to +2.06)"]  # front_floor has no time per token
+    assert lines[-1] == "  bounds on this machine: front_floor adds +0.88 ms of TTFT"
     one = [Level("tensorrt_llm_bls", 1, 48.0, 28.93, 20.945, 20.945, 21, 0), Level("prefill + decode", 1, 48.0, 24.94, 21.0, 21.0, 22, 0)]
     assert summary(one, [])[0] == ("  tensorrt_llm_bls vs prefill + decode, 1 stream: TTFT +3.99 ms, per token "
                                    "-0.055 ms, gap between responses -0.055 ms (21 and 22 requests)")

@@ -37,7 +37,10 @@ round it moves both alike, so the ratio is given per round, with the median. Las
 request on each path in turn give the one-stream comparison again, as the median of the rounds' differences
 with its 95% interval, and their quartiles, which a drift in the machine's speed between two rows does not
 move; front_floor's rounds say how much of tensorrt_llm_bls's added TTFT any Python model and gRPC hop would
-add here, and how much is its own.
+add here, and how much is its own. The summary ends with each text front against the front's targets (TTFT added
+<= 1.5 ms and time per token <= 0.1 ms at one stream, from the alternated rounds; 3x the engine's peak in every
+ceiling round), a line each, and the bounds this machine sets them: front_floor's TTFT and the engines called
+directly in the ceiling rounds.
 The rows are saved to `<out>/front.json`, from which `loadtest plan --front` sizes a GPU deployment's front
 (disagg.planner.front_cost).
 
@@ -78,6 +81,8 @@ FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts th
 CEILING_PATHS = (*FRONTS, COALESCED, DIRECT)  # those of a run's paths timed in each ceiling round
 ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
 CEILING_TARGET = 3.0  # a front's ceiling should be this many times the engine's peak: each front's rounds are counted against it
+TTFT_TARGET_MS = 1.5  # the most TTFT a front should add to the engines called directly, one request at a time
+TOKEN_TARGET_MS = 0.1  # the most time per token it should add, one request at a time
 MAX_WINDOW_S = 60.0  # a row's window at most, however few requests it has completed
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
 
@@ -449,27 +454,34 @@ def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, 
     return float(low), float(high)
 
 
-def _paired(rounds: list[Level], front: str, direct: str) -> str | None:
-    """TTFT and time per token that `front` added to `direct` in the alternated rounds: the median of the
-    rounds' differences, with its 95% interval for TTFT, and their quartiles."""
+def _differences(rounds: list[Level], front: str, direct: str) -> tuple[list[float], list[float]]:
+    """What `front` added to `direct` in each alternated round both completed: TTFT, and time per token where
+    both have one (front_floor answers one token: none)."""
     by = {(r.path, r.round): r for r in rounds}
     pairs = [(by[(front, i)], by[(direct, i)]) for i in sorted({r.round for r in rounds})
              if (front, i) in by and (direct, i) in by and by[(front, i)].completed and by[(direct, i)].completed]
-    if not pairs:
+    return ([f.ttft_ms - d.ttft_ms for f, d in pairs],
+            [f.token_ms - d.token_ms for f, d in pairs if not math.isnan(f.token_ms - d.token_ms)])
+
+
+def _paired(rounds: list[Level], front: str, direct: str) -> str | None:
+    """TTFT and time per token that `front` added to `direct` in the alternated rounds: the median of the
+    rounds' differences, with its 95% interval for TTFT, and their quartiles."""
+    differences, token = _differences(rounds, front, direct)
+    if not differences:
         return None
-    differences = [f.ttft_ms - d.ttft_ms for f, d in pairs]
     ttft, interval = np.percentile(differences, (25, 50, 75)), median_interval(differences)
-    line = (f"  {front} vs {direct}, one request at a time, alternated ({len(pairs)} rounds): TTFT {ttft[1]:+.2f} ms "
+    line = (f"  {front} vs {direct}, one request at a time, alternated ({len(differences)} rounds): TTFT {ttft[1]:+.2f} ms "
             f"(median within {interval[0]:+.2f} to {interval[1]:+.2f} at 95%; quartiles {ttft[0]:+.2f} to {ttft[2]:+.2f})")
-    token = [f.token_ms - d.token_ms for f, d in pairs if not math.isnan(f.token_ms - d.token_ms)]
-    if token:  # front_floor answers one token: no time per token
+    if token:
         q = np.percentile(token, (25, 50, 75))
         line += f", per token {q[1]:+.3f} ms ({q[0]:+.3f} to {q[2]:+.3f})"
     return line
 
 
 def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
-    """The comparisons printed after the rows, the front's ceiling from `ceilings` last."""
+    """The comparisons printed after the rows, then the front's ceiling from `ceilings`, then each front against
+    its targets."""
     rounds = [r for r in rows if r.round is not None]
     rows = [r for r in rows if r.round is None]
     by = {(r.path, r.streams): r for r in rows}
@@ -497,11 +509,16 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     for r in (r for r in rows if r.streams == top):
         shown = shares(r.cpu_ms_per_token)
         lines.append(f"    {r.path:<27} total {sum(ms for _, ms in shown):.2f}: " + ", ".join(f"{name} {ms:.2f}" for name, ms in shown))
-    if not ceilings:
-        return lines
+    if ceilings:
+        lines += _ceiling(ceilings)
+    return lines + against_targets(rounds, ceilings)
+
+
+def _ceiling(ceilings: list[CeilingRound]) -> list[str]:
+    """The engine's peak by round, then each path's tokens/s against it."""
     engine = [max(c.engine.values()) for c in ceilings]
-    lines.append(f"  the {ENGINE}'s best tokens/s by round (bench-100mb, batch {' or '.join(map(str, CEILING_BATCHES))}): "
-                 + ", ".join(f"{rate:.0f}" for rate in engine))
+    lines = [f"  the {ENGINE}'s best tokens/s by round (bench-100mb, batch {' or '.join(map(str, CEILING_BATCHES))}): "
+             + ", ".join(f"{rate:.0f}" for rate in engine)]
     for front in (f for f in CEILING_PATHS if f in ceilings[0].fronts):
         ratios = [c.ratio(front) for c in ceilings]
         served = [c.fronts[front].tokens_per_s for c in ceilings]
@@ -516,6 +533,40 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
             line += f"; {np.median(shares_of_direct):.2f} of the engines called directly in the same round (median)"
         lines.append(line)
     return lines
+
+
+def against_targets(rounds: list[Level], ceilings: list[CeilingRound]) -> list[str]:
+    """Each text front against the three targets, a line each, then what bounds them on this machine:
+    front_floor's TTFT (the least one Python model and one gRPC hop add) and the engines called directly in
+    the ceiling rounds (no front spending CPU on the same cores serves more)."""
+    def verdict(met: bool) -> str:
+        return "met" if met else "not met"
+
+    lines = []
+    for front in (*FRONTS, COALESCED):
+        ttft, token = _differences(rounds, front, DIRECT)
+        parts = []
+        if ttft:
+            parts.append(f"TTFT {np.median(ttft):+.2f} ms ({verdict(np.median(ttft) <= TTFT_TARGET_MS)})")
+        if token:
+            parts.append(f"per token {np.median(token):+.3f} ms ({verdict(np.median(token) <= TOKEN_TARGET_MS)})")
+        if ceilings and front in ceilings[0].fronts:
+            at = sum(c.ratio(front) >= CEILING_TARGET for c in ceilings)
+            parts.append(f"ceiling at {CEILING_TARGET:g}x in {at} of {len(ceilings)} rounds ({verdict(at == len(ceilings))})")
+        if parts:
+            lines.append(f"    {front:<27} " + "; ".join(parts))
+    if not lines:
+        return []
+    bounds = []
+    floor, _ = _differences(rounds, FLOOR, DIRECT)
+    if floor:
+        bounds.append(f"{FLOOR} adds {np.median(floor):+.2f} ms of TTFT")
+    if ceilings and DIRECT in ceilings[0].fronts:
+        ratios = [c.ratio(DIRECT) for c in ceilings]
+        bounds.append(f"the engines called directly serve {min(ratios):.2f}x to {max(ratios):.2f}x the {ENGINE}'s peak")
+    header = (f"  against the targets (one request at a time, the medians of the alternated rounds against {DIRECT}: TTFT added "
+              f"<= {TTFT_TARGET_MS:g} ms, per token <= {TOKEN_TARGET_MS:g} ms; every ceiling round at {CEILING_TARGET:g}x or more):")
+    return [header, *lines, *([f"  bounds on this machine: {'; '.join(bounds)}"] if bounds else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
