@@ -48,10 +48,11 @@ PROMPTS = ["Call me Ishmael.", "It was the best of times", "In the beginning", "
 REQUEST_DEADLINE_S = 30.0
 FAULTS = ((0.2, "kill -9 decode"), (0.45, "kill -9 prefill"), (0.7, "pause decode"))
 # What a request meets while an engine it needs is down (the orchestrator's HopErrors with engine_away, a
-# direct engine call's broken connection): a bad input sent then is refused for that instead, as upstream,
-# whose engine does the checking, would refuse it too.
+# direct engine call's broken connection, or Triton's own answer to a call to an engine model whose stub died or
+# that is being reloaded): a bad input sent then is refused for that instead, as upstream, whose engine does the
+# checking, would refuse it too.
 OUTAGE = ("no live engine instance", "died while serving this request", "no replica is serving", "Stream removed",
-          "Socket closed", "failed to connect", "Connection refused")
+          "Socket closed", "failed to connect", "Connection refused", "is not healthy", "has no available versions")
 
 
 @dataclass

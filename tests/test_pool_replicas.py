@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.engine.no_compute import stand_in_env
 from disagg.engine.sampling import NO_END_ID
 from disagg.serve.leftovers import names as shm_names
 from disagg.serve.metrics import scrape
@@ -24,7 +25,11 @@ from tools.stream_client import StreamError, stream
 pytestmark = pytest.mark.e2e
 PROMPTS = [f"pool request {i}: the quick brown fox" for i in range(4)]
 TOKENS = 24
-LONG_TOKENS, LONG_REQUESTS = 290, 6  # together seconds of decoding here: longer than a drain's first wait
+LONG_TOKENS, LONG_REQUESTS = 290, 6
+# The decode replicas stand in for GPUs (disagg.engine.no_compute): each step takes this long off the CPU, so a
+# long request decodes for over a second on any machine, longer than a drain's first wait. Computing, a fast
+# machine's cores finished the long requests before the stop could find them held.
+DECODE_STEP_MS = 5.0
 
 
 @pytest.fixture
@@ -41,7 +46,8 @@ def pools(cpu_tiny_project, tmp_path):
         return {"DISAGG_INTERNAL_KEY": key, "DISAGG_LOAD_BOARD": str(board)}
 
     def replica(name: str, role: str) -> Served:
-        served = Served(name, repository, env(name), f"--load-model={role}", f"--announce={registries[role]}")
+        stand_in = stand_in_env(DECODE_STEP_MS) if role == "decode" else {}
+        served = Served(name, repository, {**env(name), **stand_in}, f"--load-model={role}", f"--announce={registries[role]}")
         started.append(served)
         return served
 
