@@ -14,6 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 
+from disagg.engine.no_compute import stand_in_env
 from disagg.engine.sampling import NO_END_ID
 from disagg.render import render_repository
 from disagg.spec import parse_spec
@@ -24,6 +25,10 @@ from tools.stream_client import StreamError, build_inputs, stream
 
 pytestmark = pytest.mark.e2e
 CLASSES = {"interactive": {"ttft_ms": 10_000, "tpot_ms": 10_000}, "realtime": {"tpot_ms": 0.001}, "batch": {}}
+# The engine replicas stand in for GPUs (disagg.engine.no_compute): each step takes this long off the CPU, so
+# requests sent at once overlap on the decode pools on any machine and both pools are measured. Computing, a
+# fast machine's cores finished each 16-token decode hop before the next arrived, and one pool took 9 of 11.
+STEP_MS = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +52,12 @@ def deployment(cpu_tiny_project, tmp_path_factory):
         return served
 
     registry = {name: tmp_path / f"registry-{name}" for name in ("prefill", "cheap", "dear")}
-    prefill = serve("prefill", "model_repository", "--load-model=prefill", f"--announce={registry['prefill']}")
-    cheap = serve("cheap", "model_repository", "--load-model=decode", "--load-model=aggregated_engine", f"--announce={registry['cheap']}")
-    dear = serve("dear", "model_repository", "--load-model=decode", "--load-model=aggregated_engine", f"--announce={registry['dear']}")
+    stand_in = stand_in_env(STEP_MS)  # every engine alike: the aggregated path's tokens are then the disaggregated one's
+    prefill = serve("prefill", "model_repository", "--load-model=prefill", f"--announce={registry['prefill']}", env=stand_in)
+    cheap = serve("cheap", "model_repository", "--load-model=decode", "--load-model=aggregated_engine", f"--announce={registry['cheap']}",
+                  env=stand_in)
+    dear = serve("dear", "model_repository", "--load-model=decode", "--load-model=aggregated_engine", f"--announce={registry['dear']}",
+                 env=stand_in)
     pools = f"registry:{registry['cheap']};cost=1|registry:{registry['dear']};cost=5"
     urls = f"prefill=registry:{registry['prefill']},decode={pools},aggregated_engine={pools}"
     models = [f"--load-model={m}" for m in ("preprocessing", "disagg_orchestrator", "aggregated_orchestrator", "postprocessing", "ensemble", "aggregated")]
