@@ -20,7 +20,7 @@ from pathlib import Path
 from disagg.backend import backend_for
 from disagg.repository import ENGINE_MODELS, Model, parse_config, python_model, render_template, repo_relative, role_models, write_changed
 from disagg.spec import ROLES, DeploymentSpec
-from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_METRICS_PORT
+from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_HTTP_PORT, ENGINE_METRICS_PORT
 
 
 def _text_parameters(spec: DeploymentSpec) -> tuple[dict, dict]:
@@ -67,7 +67,7 @@ def engine_urls(spec: DeploymentSpec) -> str:
     remote = []
     for role in roles:
         if role.node != front:
-            remote += [f"{name}={role.node}:{ENGINE_GRPC_PORT}" for name in role_models(spec, role.name)]
+            remote += [f"{name}=http://{role.node}:{ENGINE_HTTP_PORT}" for name in role_models(spec, role.name)]
     return ",".join(remote)
 
 

@@ -66,8 +66,6 @@ class EngineStream:
     """Stands in for an orchestrator's shared stream to an engine server, up and silent: takes a hop's
     request; the test answers through the handler the hop registered."""
 
-    broken = None
-
     def send(self, request, on_response):
         self.on_response = on_response
 

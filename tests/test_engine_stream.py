@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from disagg.triton.engine_stream import EngineServer, infer_request
+from disagg.triton.engine_request import EngineRequest
+from disagg.triton.engine_stream import EngineServer
 
 
 class FakeEngine(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -104,7 +105,7 @@ class Collector:
 
 
 def _request(request_id: str, count: int, model: str = "m"):
-    return infer_request(model, request_id, {"n": np.array([[count]], dtype=np.int32), "flag": np.array([[True]])},
+    return EngineRequest(model, request_id, {"n": np.array([[count]], dtype=np.int32), "flag": np.array([[True]])},
                          {"request_type": "generation_only"}, ("output_ids",))
 
 

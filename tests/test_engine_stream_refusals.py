@@ -14,7 +14,8 @@ import pytest
 from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
 from disagg.triton import credential
-from disagg.triton.engine_stream import EngineServer, infer_request
+from disagg.triton.engine_request import EngineRequest
+from disagg.triton.engine_stream import EngineServer
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +29,7 @@ def _request(model: str, request_id: str, key: str):
     inputs = {"input_ids": np.array([[5, 77, 300, 12]], np.int32), "input_lengths": np.array([[4]], np.int32),
               "request_output_len": np.array([[TOKENS]], np.int32), "end_id": np.array([[NO_END_ID]], np.int32),
               "streaming": np.array([[True]])}
-    return infer_request(model, request_id, inputs, {"request_type": "context_and_generation", credential.PARAMETER: key},
+    return EngineRequest(model, request_id, inputs, {"request_type": "context_and_generation", credential.PARAMETER: key},
                          ("output_ids",))
 
 

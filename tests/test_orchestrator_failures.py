@@ -4,7 +4,7 @@ The drain of a handoff whose request failed after prefill (`_drain`) waits for a
 coming back, whether its instance is being reloaded or its whole tritonserver restarted (the soak's SIGSTOP
 fault), and gives up at once on any other error: the prefill engine holds a handoff nobody drains until its
 lease runs out. Which hop errors mean "coming back" (`HopError.engine_away`) is decided where they arise: a
-broken stream, an engine server that has not loaded the model yet. A fault of the orchestrator's own still
+broken stream or connection (EngineGone), an engine server that has not loaded the model yet. A fault of the orchestrator's own still
 ends the client's request with an error: its worker would swallow the exception, and the request (an
 ensemble's, too) would stay in flight until the server stops.
 """
@@ -17,6 +17,9 @@ import threading
 import numpy as np
 import pytest
 from stub_helpers import EngineStream, Sender, decode_hop, imported_with_stub
+
+from disagg.triton.engine_request import EngineGone
+from disagg.triton.engine_stream import EngineServer
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,7 @@ def _hop_error(orchestrator, hop) -> Exception:
 
 @pytest.mark.parametrize("error, away", [
     ("Request for unknown model: 'decode' has no available versions", True),  # its server restarted, loading it
+    (EngineGone("the engine server http://127.0.0.1:1 went away: it closed the connection"), True),
     ("context_phase_params: no handoff held under this id", False),
     ("generation_only: request_output_len 0 must be >= 1", False),
 ])
@@ -79,7 +83,7 @@ def test_an_engine_servers_refusal_means_it_is_coming_back_only_while_the_model_
 def test_a_broken_stream_means_the_engine_server_is_coming_back(orchestrator):
     """A hop on a stream whose server goes away fails with the stream, and a hop sent on it after is refused."""
     listener = socket.create_server(("127.0.0.1", 0))
-    server = orchestrator.EngineServer(f"127.0.0.1:{listener.getsockname()[1]}")
+    server = EngineServer(f"127.0.0.1:{listener.getsockname()[1]}")
 
     def go_away():
         connection, _ = listener.accept()

@@ -141,7 +141,7 @@ def test_replicas_join_and_leave_while_requests_run_and_none_fails(pools):
           f"{len(answers)} requests, {decode_3.inferences('decode')} of them on decode-3 (joined mid-run)")
     assert held > 0 and drained_s >= 1.0  # it left the registry, then finished the requests it held
     assert sorted(p.name for p in registries["decode"].iterdir()) == sorted(
-        [f"127.0.0.1_{decode_2.grpc}.json", f"127.0.0.1_{decode_3.grpc}.json"])
+        [f"http_127.0.0.1_{decode_2.http}.json", f"http_127.0.0.1_{decode_3.http}.json"])
 
     # A replica told to stop finishes the requests it holds: long answers, started on the two decode
     # replicas left, arrive whole although both are stopped while they run.

@@ -53,13 +53,13 @@ def test_dns_lists_every_address_of_the_name():
 def test_the_registry_lists_announced_replicas_and_skips_what_it_cannot_read(tmp_path):
     source = RegistrySource(str(tmp_path / "decode"))
     assert source.replicas() == []
-    one = announce(tmp_path / "decode", Replica("127.0.0.1:9101", "http://127.0.0.1:9102/metrics"))
-    announce(tmp_path / "decode", Replica("127.0.0.1:9201", "http://127.0.0.1:9202/metrics"))
-    (tmp_path / "decode" / "half-written.json").write_text('{"grpc": ')
-    assert [r.grpc for r in source.replicas()] == ["127.0.0.1:9101", "127.0.0.1:9201"]
+    one = announce(tmp_path / "decode", Replica("http://127.0.0.1:9100", "http://127.0.0.1:9102/metrics"))
+    announce(tmp_path / "decode", Replica("http://127.0.0.1:9200", "http://127.0.0.1:9202/metrics"))
+    (tmp_path / "decode" / "half-written.json").write_text('{"url": ')
+    assert [r.url for r in source.replicas()] == ["http://127.0.0.1:9100", "http://127.0.0.1:9200"]
     one.unlink()
-    assert [r.grpc for r in source.replicas()] == ["127.0.0.1:9201"]
-    assert sorted(p.name for p in (tmp_path / "decode").iterdir()) == ["127.0.0.1_9201.json", "half-written.json"]
+    assert [r.url for r in source.replicas()] == ["http://127.0.0.1:9200"]
+    assert sorted(p.name for p in (tmp_path / "decode").iterdir()) == ["half-written.json", "http_127.0.0.1_9200.json"]
 
 
 @pytest.fixture
@@ -112,10 +112,10 @@ def _until(condition, timeout_s: float = 3.0) -> None:
 
 
 def test_the_registry_entry_is_json_naming_both_endpoints(tmp_path):
-    path = announce(tmp_path, Replica("[::1]:8001", "http://[::1]:8002/metrics"))
-    assert path.name == "_1_8001.json"
-    assert json.loads(path.read_text()) == {"grpc": "[::1]:8001", "metrics": "http://[::1]:8002/metrics"}
-    assert replicas.RegistrySource(str(tmp_path)).replicas() == [Replica("[::1]:8001", "http://[::1]:8002/metrics")]
+    path = announce(tmp_path, Replica("http://[::1]:8000", "http://[::1]:8002/metrics"))
+    assert path.name == "http_1_8000.json"
+    assert json.loads(path.read_text()) == {"url": "http://[::1]:8000", "metrics": "http://[::1]:8002/metrics"}
+    assert replicas.RegistrySource(str(tmp_path)).replicas() == [Replica("http://[::1]:8000", "http://[::1]:8002/metrics")]
 
 
 def test_a_replica_whose_metrics_go_quiet_stays_a_moment_then_leaves(tmp_path, metrics_server, monkeypatch):
@@ -125,7 +125,7 @@ def test_a_replica_whose_metrics_go_quiet_stays_a_moment_then_leaves(tmp_path, m
     left: list[str] = []
     pool = ReplicaPool(RegistrySource(str(tmp_path)), refresh_s=0.05, on_leave=left.append)
     try:
-        (tmp_path / "127.0.0.1_9101.json").write_text(json.dumps({"grpc": "127.0.0.1:9101", "metrics": "http://127.0.0.1:9/metrics"}))
+        (tmp_path / "127.0.0.1_9101.json").write_text(json.dumps({"url": "127.0.0.1:9101", "metrics": "http://127.0.0.1:9/metrics"}))
         time.sleep(0.2)  # its metrics stopped answering: one slow answer is not leaving
         assert pool.urls() == ["127.0.0.1:9101"] and pool.load("127.0.0.1:9101", "decode") == Load(5, 120) and left == []
         _until(lambda: pool.urls() == [])

@@ -220,7 +220,7 @@ def test_disagg_serve_runs_each_engine_model_in_a_server_of_its_own(cpu_tiny_pro
     loads = {a.split("=", 1)[1] for a in d.main.server.extra_args if a.startswith("--load-model")}
     assert loads == {"aggregated", "aggregated_orchestrator", "disagg_orchestrator", "ensemble", "postprocessing", "preprocessing"}
     urls = dict(item.split("=") for item in d.main.server.env[ENGINE_URLS_ENV].split(","))
-    assert urls == {name: sup.server.grpc_url for name, sup in d.engines.items()}
+    assert urls == {name: f"http://{sup.server.http_url}" for name, sup in d.engines.items()}
     assert set(d.metrics_urls) == {"main", "aggregated_engine", "decode", "prefill"}
 
 

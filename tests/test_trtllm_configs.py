@@ -180,7 +180,7 @@ def test_h200_launch_script(h200):
     assert front[-2:] == restricted
     assert 'ADMIN_KEY="${TRITON_ADMIN_KEY:-$(od -An -N16 -tx1 /dev/urandom | tr -d \' \\n\')}"' in script
     assert _exports(script) == {
-        "DISAGG_ENGINE_GRPC_URL": "127.0.0.1:8011",
+        "DISAGG_ENGINE_URL": "http://127.0.0.1:8010",
         "TRTLLM_ORCHESTRATOR": "1",
         "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "0",  # 1.0 pins the MPI transceiver: no TRTLLM_USE_*_KVCACHE
         "UCX_MEMTYPE_CACHE": "n",
@@ -233,17 +233,18 @@ def test_two_pools_get_one_script_and_world_each(tmp_path):
         "--grpc-port=8001", "--load-model=decode", "--load-model=decode_1",
     ]  # fmt: skip
     assert "exec mpirun" in scripts["launch-decode-pool.sh"] and "\ntritonserver " not in scripts["launch-decode-pool.sh"]
-    assert "the orchestrator here reaches decode at decode-pool:8001, decode_1 at decode-pool:8001 over gRPC" in scripts["launch-prefill-pool.sh"]
-    assert "calls this pool's models over gRPC at decode-pool:8001" in scripts["launch-decode-pool.sh"]
+    assert "the orchestrator here reaches decode at decode-pool:8000, decode_1 at decode-pool:8000 over HTTP" in scripts["launch-prefill-pool.sh"]
+    assert "calls this pool's models over HTTP at decode-pool:8000" in scripts["launch-decode-pool.sh"]
     assert _exports(scripts["launch-decode-pool.sh"])["TRTLLM_USE_UCX_KVCACHE"] == "1"
     assert "UCX_MEMTYPE_CACHE" not in _exports(scripts["launch-decode-pool.sh"])  # nvlink: false
 
 
 def test_the_front_pool_orchestrator_calls_the_decode_pool_at_its_server(tmp_path):
     two_pools = example_spec("two-pools", model_dir(tmp_path))
-    assert engine_urls(two_pools) == "decode=decode-pool:8001,decode_1=decode-pool:8001"
+    assert engine_urls(two_pools) == "decode=http://decode-pool:8000,decode_1=http://decode-pool:8000"
     orchestrator = next(m for m in plan_models(two_pools) if m.name == "disagg_orchestrator")
-    assert parse_engine_urls(_params(_parse(orchestrator.config))["engine_urls"]) == {"decode": "decode-pool:8001", "decode_1": "decode-pool:8001"}
+    assert parse_engine_urls(_params(_parse(orchestrator.config))["engine_urls"]) == {
+        "decode": "http://decode-pool:8000", "decode_1": "http://decode-pool:8000"}
     assert engine_urls(example_spec("h200x8-intra-node", model_dir(tmp_path))) == ""  # one node: all local
 
 

@@ -1,5 +1,6 @@
 """Decode served by another tritonserver (a separate pool, here on loopback): the orchestrator reaches it
-at the URL its `engine_urls` parameter names, and the text is still exactly the aggregated text."""
+at the URL its `engine_urls` parameter names, a gRPC `host:port` (prefill, on the front's server, over HTTP),
+and the text is still exactly the aggregated text."""
 from __future__ import annotations
 
 import contextlib

@@ -1,13 +1,13 @@
 """`front_floor`: the least a Python model in front of the engines can add to a first token, for
 `python -m disagg.bench front` (which writes it into its own repository only).
 
-A decoupled Python model that forwards each request's token ids to the prefill engine, over the engine
-server's shared gRPC stream as the orchestrator reaches engines (disagg.triton.engine_stream), and sends the
-engine's response back from the stream's reader thread: no tokenizing, no routing, no worker thread, no
-decode hop. It asks for one token as a whole request (context_and_generation), the same prompt step as a
-context-only request's, so that prefill holds no KV handoff for a decode that never comes. Against the engine called directly it adds one
-Triton Python model and one gRPC hop and nothing else, which is the floor under tensorrt_llm_bls's TTFT;
-what tensorrt_llm_bls adds beyond it is its own work.
+A decoupled Python model that forwards each request's token ids to the prefill engine, over the transport
+the orchestrator reaches engines with (disagg.triton.transport), and sends the engine's response back from
+the transport's reader thread: no tokenizing, no routing, no worker thread, no decode hop. It asks for one
+token as a whole request (context_and_generation), the same prompt step as a context-only request's, so that
+prefill holds no KV handoff for a decode that never comes. Against the engine called directly it adds one
+Triton Python model and one hop and nothing else, which is the floor under tensorrt_llm_bls's TTFT; what
+tensorrt_llm_bls adds beyond it is its own work.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import triton_python_backend_utils as pb_utils
 
 from disagg.triton import credential, load_board, responses
 from disagg.triton.contract import DEFAULT_ENGINE_URL, ENGINE_URL_ENV
-from disagg.triton.engine_stream import EngineServer, infer_request
+from disagg.triton.engine_request import EngineRequest
+from disagg.triton.transport import connect
 from disagg.triton.metrics import STUB_LOCK
 from disagg.triton.paths import repository_root
 
@@ -47,7 +48,7 @@ def _answer(sender):
 class TritonPythonModel:
     def initialize(self, args):
         self.key = credential.internal_key(load_board.board_key(repository_root(args)))
-        self.server = EngineServer(os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL))
+        self.server = connect(os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL))
         self.ids = itertools.count()
 
     def execute(self, requests):
@@ -55,7 +56,7 @@ class TritonPythonModel:
                     for request in requests]  # without the stub's lock, as the orchestrator's execute
         for inputs, sender in accepted:
             inputs["request_output_len"] = np.ones((1, 1), dtype=np.int32)
-            request = infer_request("prefill", f"floor-{next(self.ids)}", inputs,
+            request = EngineRequest("prefill", f"floor-{next(self.ids)}", inputs,
                                     {"request_type": "context_and_generation", credential.PARAMETER: self.key}, ("output_ids",))
             try:
                 self.server.shared("prefill").send(request, _answer(sender))

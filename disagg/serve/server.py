@@ -319,7 +319,7 @@ class TritonServer:
         self.install = find_install(self._workdir)
         env = dict(os.environ, **self.install.env)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        env[ENGINE_URL_ENV] = self.grpc_url  # where the orchestrator reaches the engine models
+        env[ENGINE_URL_ENV] = f"http://{self.http_url}"  # where the orchestrator reaches the engine models
         env.update(self.env)
         out = None
         if self.log_path is not None:

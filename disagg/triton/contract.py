@@ -18,15 +18,17 @@ REQUEST_PARAMETERS = ("request_type",)  # its values: disagg.engine.engine.REQUE
 # or one output token): the executor gives it no context phase params, and model_instance_state.cc
 # fillTritonResponse throws this, which its catch sends as the response's error.
 CONTEXT_PARAMS_MISSING = "contextParams must be present in the response"
-# The orchestrator calls the engine models over Triton's gRPC endpoint (not BLS: concurrent decoupled
-# BLS streams crash Triton 2.51's python backend). disagg-serve sets this; default: the standard port.
+# The orchestrator calls the engine models over the engine server's own endpoints (not BLS: concurrent
+# decoupled BLS streams crash Triton 2.51's python backend), `http://host:port` over HTTP, `host:port` over
+# gRPC (disagg.triton.transport). disagg-serve sets this; default: the standard HTTP port.
 # Engines served by another node's tritonserver (a separate pool) are named in the orchestrator's
-# `engine_urls` parameter ("model=host:port,..."), at that server's standard port.
-ENGINE_URL_ENV = "DISAGG_ENGINE_GRPC_URL"
-ENGINE_URLS_ENV = "DISAGG_ENGINE_URLS"  # "model=host:port,...": engines served elsewhere (disagg-serve's engine servers)
+# `engine_urls` parameter ("model=http://host:port,..."), at that server's standard port.
+ENGINE_URL_ENV = "DISAGG_ENGINE_URL"
+ENGINE_URLS_ENV = "DISAGG_ENGINE_URLS"  # "model=http://host:port,...": engines served elsewhere (disagg-serve's engine servers)
+ENGINE_HTTP_PORT = 8000
 ENGINE_GRPC_PORT = 8001
 ENGINE_METRICS_PORT = 8002  # where a pool's replicas publish their load (disagg.triton.replicas)
-DEFAULT_ENGINE_URL = f"127.0.0.1:{ENGINE_GRPC_PORT}"
+DEFAULT_ENGINE_URL = f"http://127.0.0.1:{ENGINE_HTTP_PORT}"
 
 
 def _pairs(value: str, parameter: str, form: str, valid) -> dict[str, str]:
@@ -40,7 +42,7 @@ def _pairs(value: str, parameter: str, form: str, valid) -> dict[str, str]:
 
 
 def parse_engine_urls(value: str) -> dict[str, str]:
-    """"decode=decode-pool:8001,decode_1=..." -> {model: url}; empty: every engine is on this server."""
+    """"decode=http://decode-node:8000,decode_1=..." -> {model: url}; empty: every engine is on this server."""
     return _pairs(value, "engine_urls", "model=host:port", lambda url: ":" in url)
 
 

@@ -35,12 +35,13 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
-from collections.abc import Callable
 
 import grpc
 import numpy as np
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+
+from disagg.triton.engine_request import EngineGone, EngineRequest, OnResponse
 
 # The message size bound tritonclient sets on its channels (Triton's MAX_GRPC_MESSAGE_SIZE).
 MAX_MESSAGE = 2**31 - 1
@@ -48,24 +49,21 @@ MAX_MESSAGE = 2**31 - 1
 # that no handler claims.
 OPENING = service_pb2.ModelInferRequest(model_name="disagg-stream-opening", id="disagg-stream-opening")
 OPENING_WAIT_S = 5.0  # how long a request waits for the opening's answer before the stream counts as broken
-# on_response(result, error, final): result is None exactly when error (a message) is set; an error is final.
-OnResponse = Callable[[InferResult | None, str | None, bool], None]
 
 
-def infer_request(model: str, request_id: str, inputs: dict[str, np.ndarray], parameters: dict[str, str],
-                  outputs: tuple[str, ...]) -> service_pb2.ModelInferRequest:
+def _message(request: EngineRequest) -> service_pb2.ModelInferRequest:
     """A ModelInferRequest as tritonclient's `async_stream_infer` builds it, with an empty final response asked for."""
-    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
-    for name, array in inputs.items():
-        request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=array.shape)
+    message = service_pb2.ModelInferRequest(model_name=request.model, id=request.id)
+    for name, array in request.inputs.items():
+        message.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=array.shape)
         raw = serialize_byte_tensor(array).tobytes() if array.dtype == np.object_ else np.ascontiguousarray(array).tobytes()
-        request.raw_input_contents.append(raw)
-    for name in outputs:
-        request.outputs.add(name=name)
-    for key, value in parameters.items():
-        request.parameters[key].string_param = value
-    request.parameters["triton_enable_empty_final_response"].bool_param = True
-    return request
+        message.raw_input_contents.append(raw)
+    for name in request.outputs:
+        message.outputs.add(name=name)
+    for key, value in request.parameters.items():
+        message.parameters[key].string_param = value
+    message.parameters["triton_enable_empty_final_response"].bool_param = True
+    return message
 
 
 class EngineStream:
@@ -85,7 +83,7 @@ class EngineStream:
         self._reader = threading.Thread(target=self._read, name=f"engine-stream {name}", daemon=True)
         self._reader.start()
 
-    def send(self, request: service_pb2.ModelInferRequest, on_response: OnResponse) -> None:
+    def send(self, request: EngineRequest, on_response: OnResponse) -> None:
         if not self._opened.wait(OPENING_WAIT_S):
             raise ConnectionError(f"the engine server did not answer the stream's opening within {OPENING_WAIT_S:g} s")
         with self._lock:
@@ -94,7 +92,7 @@ class EngineStream:
             if request.id in self._handlers:
                 raise ValueError(f"request id {request.id!r} is already in flight on this stream")
             self._handlers[request.id] = on_response
-        self._requests.put(request)
+        self._requests.put(_message(request))
 
     def forget(self, request_id: str, on_response: OnResponse) -> None:
         """Drops the request's handler, if it is still `on_response` (a request sent again under the same id
@@ -123,7 +121,7 @@ class EngineStream:
             orphans, self._handlers = self._handlers, {}
         self._opened.set()  # a request waiting to be sent finds the stream broken
         for on_response in orphans.values():
-            on_response(None, reason, True)
+            on_response(None, EngineGone(reason), True)
 
     def _dispatch(self, response: service_pb2.ModelStreamInferResponse) -> None:
         request_id = response.infer_response.id

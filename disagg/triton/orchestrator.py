@@ -1,7 +1,7 @@
 """The orchestrator: prefill -> decode per request, streamed, many requests per instance.
 
 A decoupled Python model in the place of upstream's disaggregated BLS. It reaches the engine models
-through the server's own gRPC endpoint (see `Hop` for why not BLS). Where the upstream BLS blocks on
+through the engine server's own HTTP (or gRPC) endpoint (see `Hop` for why not BLS). Where the upstream BLS blocks on
 one request at a time and throws the context phase's token away, this one:
 - serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`,
   its responses sent at once while the stub is free, else queued for one thread that sends them in turn
@@ -59,10 +59,11 @@ import triton_python_backend_utils as pb_utils
 from disagg.engine.kv_cache import block_hashes
 from disagg.triton import cancel_board, credential, kv_index, load_board, replicas, sla
 from disagg.triton.contract import (
-    CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, OUTPUTS_READ, parse_engine_urls, parse_input_names,
+    CONTEXT_PARAMS_MISSING, DEFAULT_ENGINE_URL, ENGINE_URL_ENV, ENGINE_URLS_ENV, FORWARDED_INPUTS, parse_engine_urls, parse_input_names,
     rename_inputs,
 )
-from disagg.triton.engine_stream import EngineServer, EngineStream, infer_request
+from disagg.triton.engine_request import EngineGone, EngineRequest
+from disagg.triton.transport import EngineStreams, Server, connect
 from disagg.triton.metrics import STUB_LOCK, TPOT_BUCKETS, TTFT_BUCKETS, Metrics, Updater
 from disagg.triton.paths import model_param, repository_root
 from disagg.triton.response_thread import ResponseThread
@@ -137,11 +138,12 @@ class Hop:
     """One call to an engine model, its responses handed over through a queue so the caller can time out
     and notice cancellation while the engine works.
 
-    Engines are reached through Triton's gRPC endpoint rather than BLS: in Triton 2.51 concurrent
-    decoupled BLS streams corrupt the python backend's heap (seen as `malloc(): unaligned fastbin
-    chunk detected` and stub segfaults), while client streams are a well-trodden path. The call goes over
-    the engine server's shared stream (disagg.triton.engine_stream), or over a stream of its own
-    (`own_stream`) for a `stop`, which reuses the id of the request it stops.
+    Engines are reached through the engine server's own endpoints rather than BLS: in Triton 2.51
+    concurrent decoupled BLS streams corrupt the python backend's heap (seen as `malloc(): unaligned
+    fastbin chunk detected` and stub segfaults), while client calls are a well-trodden path. Over HTTP each
+    call has a connection of its own (disagg.triton.engine_http); over gRPC it goes on the engine server's
+    shared stream (disagg.triton.engine_stream), or on a stream of its own (`own_stream`) for a `stop`,
+    which reuses the id of the request it stops.
 
     `pids`: the processes of the model's instances when the hop began (from the load board). If one of
     them dies, the hop fails at the next check, naming it, instead of waiting out its timeout: Triton
@@ -152,7 +154,7 @@ class Hop:
     (0.16-0.19 ms at one stream, more when the workers queue for the GIL). Never once the caller has left
     the hop (`leave`), whose answer may then be out."""
 
-    def __init__(self, stream: EngineStream, engine: Engine, inputs: dict[str, np.ndarray], request_id: str,
+    def __init__(self, stream: EngineStreams, engine: Engine, inputs: dict[str, np.ndarray], request_id: str,
                  request_type: str, key: str, liveness: load_board.Liveness, pids: dict[int, str] | None = None,
                  own_stream: bool = False, on_first_token: Callable[[int], None] | None = None):
         self.model, self.request_id = engine.name, request_id
@@ -161,7 +163,7 @@ class Hop:
         self.stream, self.own_stream = stream, own_stream
         self.on_first_token = on_first_token
         self._first_lock = threading.Lock()  # held while on_first_token runs, so `leave` waits it out
-        request = infer_request(engine.model, request_id, inputs, {"request_type": request_type, credential.PARAMETER: key}, OUTPUTS_READ)
+        request = EngineRequest(engine.model, request_id, inputs, {"request_type": request_type, credential.PARAMETER: key})
         try:
             stream.send(request, self._on_response)
         except ConnectionError as exc:
@@ -169,7 +171,7 @@ class Hop:
 
     def _on_response(self, result, error: str | None, final: bool) -> None:
         if error is not None:  # the stream broke (it is then marked so first), or the engine server refused
-            away = self.stream.broken is not None or MODEL_NOT_LOADED in error
+            away = isinstance(error, EngineGone) or MODEL_NOT_LOADED in error
             self.results_queue.put(HopError(f"{self.model}: {error}", engine_away=away))
         else:
             ids, params = result.as_numpy("output_ids"), result.as_numpy("context_phase_params")
@@ -205,8 +207,8 @@ class Hop:
     def end(self, timeout_s: float) -> None:
         """Closes a hop cut short (cancelled, failed) once the engine has ended its request, which the
         `stop` sent after it makes happen at once; gives up after `timeout_s`, or at once when an instance
-        died. Nothing is cancelled over gRPC: a shared stream cannot cancel one request, and cancelled
-        streams are what crashed Triton 2.51 servers under load (README, Known problems)."""
+        died. Nothing is cancelled by the transport: a shared gRPC stream cannot cancel one request, and
+        cancelled streams are what crashed Triton 2.51 servers under load (README, Known problems)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and all(self.liveness.alive(pid) for pid in self.pids):
             try:
@@ -359,8 +361,8 @@ class TritonPythonModel:
         self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
         self.out = ResponseThread(self.instance)
         self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
-        self.servers: dict[str, EngineServer] = {}  # by URL
-        self.retired: list[EngineServer] = []  # of replicas that left (their streams half-closed)
+        self.servers: dict[str, Server] = {}  # by URL
+        self.retired: list[Server] = []  # of replicas that left (their streams half-closed)
         self.metrics = Metrics(f"orchestrator-{self.mode}", self.instance, Updater())
         self.ttft = self.metrics.histogram("disagg_ttft_seconds", "Request arrival at the orchestrator -> first token sent", TTFT_BUCKETS)
         self.in_flight = self.metrics.gauge("disagg_orchestrator_in_flight", "Requests the orchestrator is serving")
@@ -751,9 +753,10 @@ class TritonPythonModel:
         self._replica_left(engine.url)
 
     def _replica_left(self, url: str) -> None:
-        """Ends our stream to a replica that left its pool once nothing of ours runs there: it cannot stop
-        while a stream of ours is open. Until then `_done` calls again as its requests end. The stream is
-        half-closed, not cancelled; its channel is kept until finalize."""
+        """Lets go of a replica that left its pool once nothing of ours runs there: it cannot stop while a
+        stream or connection of ours is open. Until then `_done` calls again as its requests end. Nothing is
+        cancelled (`retire`: a gRPC stream is half-closed; an HTTP connection closes with its answer); the server's
+        client is closed at finalize."""
         with self._lock:
             if any(e.url == url and n for e, n in self.dispatched.items()):
                 return
@@ -826,10 +829,10 @@ class TritonPythonModel:
         hop.leave()
         hop.close()
 
-    def _server(self, url: str) -> EngineServer:
+    def _server(self, url: str) -> Server:
         with self._lock:
             if url not in self.servers:
-                self.servers[url] = EngineServer(url)
+                self.servers[url] = connect(url)
             return self.servers[url]
 
     def _check_live(self, models: list[str]) -> dict[int, str]:

@@ -6,13 +6,13 @@ Prometheus endpoint, the same families the tensorrtllm backend reports (custom_m
     nv_trt_llm_request_metrics{model, request_type="active"}         requests in the engine
     nv_trt_llm_kv_cache_block_metrics{model, kv_cache_block_type="free"}   free KV blocks
 Sources, as an `engine_urls` value:
-    registry:<directory>            one JSON file per replica, {"grpc": "host:port", "metrics": "http://..."},
+    registry:<directory>            one JSON file per replica, {"url": "http://host:port", "metrics": "http://..."},
                                     written by `disagg-serve --announce` once ready and removed before it stops
-    dns:<host>:<grpc port>:<metrics port>   every address the name resolves to (a headless Service lists
-                                    only its ready pods)
+    dns:<host>:<grpc port>:<metrics port>   every address the name resolves to, reached over gRPC (a headless
+                                    Service lists only its ready pods)
 A replica joins once its metrics answer, and leaves when its source stops listing it or its metrics have
 not answered for SILENT_S; requests already on a replica that left finish there (the orchestrator keeps
-their streams until they end).
+their streams and connections until they end).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
 
 @dataclass(frozen=True)
 class Replica:
-    grpc: str  # host:port of its gRPC endpoint
+    url: str  # where the orchestrator reaches its engine models (disagg.triton.transport)
     metrics: str  # URL of its Prometheus endpoint
 
 
@@ -71,7 +71,7 @@ class RegistrySource(Source):
         for path in paths:
             try:
                 entry = json.loads(path.read_text())
-                found.append(Replica(entry["grpc"], entry["metrics"]))
+                found.append(Replica(entry["url"], entry["metrics"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # being written or removed right now
         return found
@@ -150,7 +150,7 @@ class ReplicaPool:
         """`on_leave(url)` is called (from the pool's thread) for each replica that leaves: a server that
         stops waits for its clients' open streams to end, so the client must let go."""
         self.source, self.refresh_s, self.on_leave = source, refresh_s, on_leave
-        self._loads: dict[str, tuple[dict[str, Load], float]] = {}  # grpc url -> ({model: Load}, when read)
+        self._loads: dict[str, tuple[dict[str, Load], float]] = {}  # url -> ({model: Load}, when read)
         self._lock = threading.Lock()
         self._refreshing = threading.Lock()  # one reading at a time: each replica that leaves is reported once
         self._closed = threading.Event()
@@ -166,11 +166,11 @@ class ReplicaPool:
             for replica in self.source.replicas():
                 now = time.monotonic()
                 try:
-                    loads[replica.grpc] = (scrape(replica.metrics), now)
+                    loads[replica.url] = (scrape(replica.metrics), now)
                 except Exception:  # noqa: BLE001 - not serving yet, any more (a cut-off answer), or just slow
-                    last = self._loads.get(replica.grpc)
+                    last = self._loads.get(replica.url)
                     if last is not None and now - last[1] < SILENT_S:
-                        loads[replica.grpc] = last
+                        loads[replica.url] = last
             with self._lock:
                 left = self._loads.keys() - loads.keys()
                 self._loads = loads
@@ -205,6 +205,6 @@ def announce(directory: str | Path, replica: Replica) -> Path:
     """Lists `replica` in a registry directory (atomically); returns the entry to remove at its stop."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / (re.sub(r"[^A-Za-z0-9.]+", "_", replica.grpc) + ".json")
-    replace_file(path, json.dumps({"grpc": replica.grpc, "metrics": replica.metrics}).encode())
+    path = directory / (re.sub(r"[^A-Za-z0-9.]+", "_", replica.url) + ".json")
+    replace_file(path, json.dumps({"url": replica.url, "metrics": replica.metrics}).encode())
     return path

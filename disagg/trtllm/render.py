@@ -271,7 +271,7 @@ def _server_argv(load: list[str], shm_prefix: str, ports: dict[str, int] | None,
 def _environment_vars(spec: DeploymentSpec) -> list[tuple[str, str]]:
     env = [("TRTLLM_ORCHESTRATOR", "1"), ("TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES", "0")]
     # The disagg orchestrator reaches this node's engine models at the engines' private server.
-    env.append((ENGINE_URL_ENV, f"127.0.0.1:{PRIVATE_PORTS['grpc']}"))
+    env.append((ENGINE_URL_ENV, f"http://127.0.0.1:{PRIVATE_PORTS['http']}"))
     if spec.disaggregated:
         env += versions.release_of(spec).transport_env(spec.kv_transfer.backend)
         if spec.kv_transfer.nvlink:
@@ -300,11 +300,12 @@ def _connection(spec: DeploymentSpec, node: str) -> list[str]:
     if len(all_nodes) == 1:
         return []
     front = all_nodes[0]
+    http = PORTS["http"]
     if node == front:
-        remote = [f"{m} at {r.node}:{grpc}" for r in _roles(spec) if r.node != front for m in role_models(spec, r.name)]
-        lines = [f"Front-end pool: the orchestrator here reaches {', '.join(remote)} over gRPC; start those pools too."]
+        remote = [f"{m} at {r.node}:{http}" for r in _roles(spec) if r.node != front for m in role_models(spec, r.name)]
+        lines = [f"Front-end pool: the orchestrator here reaches {', '.join(remote)} over HTTP; start those pools too."]
     else:
-        lines = [f"The orchestrator on {front} calls this pool's models over gRPC at {node}:{grpc}."]
+        lines = [f"The orchestrator on {front} calls this pool's models over HTTP at {node}:{http}."]
     return lines + [f"KV blocks move between pools over {spec.kv_transfer.backend.upper()} (TRTLLM_USE_*_KVCACHE)."]
 
 
@@ -330,7 +331,7 @@ def _launch_script(spec: DeploymentSpec, node: str, models: list[str]) -> str:
         world_size=len(segments),
         layout=layout,
         rank0_load=rank0,
-        private_grpc=PRIVATE_PORTS["grpc"] if is_front else None,
+        private_http=PRIVATE_PORTS["http"] if is_front else None,
         front=front,
         front_models=_front_models(spec, models) if is_front else [],
         connection=_connection(spec, node),
