@@ -46,6 +46,13 @@ class Answer:
         if final:
             self.ended.set()
 
+    def streaming(self, tokens: int, timeout_s: float = 10.0) -> Answer:
+        """Waits until `tokens` have come (the request is then running)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.tokens) < tokens and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
     def wait(self, timeout_s: float = 30.0) -> Answer:
         assert self.ended.wait(timeout_s), "no final response"
         return self
@@ -120,10 +127,7 @@ def test_a_stop_names_a_request_in_flight_by_its_id(cpu_tiny_project, start_trit
     server = _stepping(cpu_tiny_project, start_triton, tmp_path)
     http = connect(f"http://{server.http_url}")
     try:
-        running = _call(http, "aggregated_engine", "long", KEY, _inputs(300), "context_and_generation")
-        deadline = time.monotonic() + 10
-        while len(running.tokens) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        running = _call(http, "aggregated_engine", "long", KEY, _inputs(300), "context_and_generation").streaming(3)
         stop = {"input_lengths": np.array([[0]], np.int32), "request_output_len": np.array([[1]], np.int32),
                 "stop": np.array([[True]])}
         stopped = Answer()
@@ -142,10 +146,7 @@ def test_a_server_that_went_away_fails_its_requests_as_gone(cpu_tiny_project, st
     server = _stepping(cpu_tiny_project, start_triton, tmp_path)
     http = connect(f"http://{server.http_url}")
     try:
-        running = _call(http, "aggregated_engine", "cut", KEY, _inputs(300), "context_and_generation")
-        deadline = time.monotonic() + 10
-        while not running.tokens and time.monotonic() < deadline:
-            time.sleep(0.01)
+        running = _call(http, "aggregated_engine", "cut", KEY, _inputs(300), "context_and_generation").streaming(1)
         server.process.kill()
         assert isinstance(running.wait().error, EngineGone), running.error
         server.stop()
