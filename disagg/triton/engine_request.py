@@ -25,7 +25,6 @@ class EngineRequest:
 OnResponse = Callable[[object, "str | None", bool], None]
 
 
-
 class EngineGone(str):
     """An error meaning the engine server went away (its stream or connection broke): the request may be
     tried again once it is back, unlike an error the engine answered."""

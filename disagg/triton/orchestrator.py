@@ -170,7 +170,7 @@ class Hop:
             raise HopError(f"{engine.name}: {exc}", engine_away=True) from None
 
     def _on_response(self, result, error: str | None, final: bool) -> None:
-        if error is not None:  # the stream broke (it is then marked so first), or the engine server refused
+        if error is not None:  # the server went away (EngineGone), or it or its engine refused
             away = isinstance(error, EngineGone) or MODEL_NOT_LOADED in error
             self.results_queue.put(HopError(f"{self.model}: {error}", engine_away=away))
         else:
@@ -362,7 +362,7 @@ class TritonPythonModel:
         self.out = ResponseThread(self.instance)
         self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
         self.servers: dict[str, Server] = {}  # by URL
-        self.retired: list[Server] = []  # of replicas that left (their streams half-closed)
+        self.retired: list[Server] = []  # of replicas that left (`retire`d, closed at finalize)
         self.metrics = Metrics(f"orchestrator-{self.mode}", self.instance, Updater())
         self.ttft = self.metrics.histogram("disagg_ttft_seconds", "Request arrival at the orchestrator -> first token sent", TTFT_BUCKETS)
         self.in_flight = self.metrics.gauge("disagg_orchestrator_in_flight", "Requests the orchestrator is serving")
