@@ -16,6 +16,7 @@ SENDER_CHECK_S); no cancel flag is made, since no postprocessing would raise it.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Iterator
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -72,8 +73,8 @@ class TritonPythonModel(Orchestrator):
     def _cancel_flag(self, request_id: str) -> cancel_board.NoFlag:
         return cancel_board.NoFlag()
 
-    def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
-        """Validates and tokenizes on the request's worker, then serves it as the orchestrator would."""
+    def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> Iterator[object]:
+        """Validates and tokenizes, then serves the request as the orchestrator would."""
         try:
             prepared = prepare_request(self.pre, arrays, public_names=True)
         except InputError as exc:
@@ -86,4 +87,4 @@ class TritonPythonModel(Orchestrator):
             return
         passed = {PASSED_ON[name]: array for name, array in arrays.items() if name in PASSED_ON}
         prepared_arrays = {ORCHESTRATOR_NAME[name]: array for name, array in prepared.outputs().items()}
-        super()._serve({**prepared_arrays, **passed}, sender, arrival)
+        yield from super()._serve({**prepared_arrays, **passed}, sender, arrival)

@@ -3,9 +3,9 @@
 A decoupled Python model in the place of upstream's disaggregated BLS. It reaches the engine models
 through the engine server's own HTTP (or gRPC) endpoint (see `Hop` for why not BLS). Where the upstream BLS blocks on
 one request at a time and throws the context phase's token away, this one:
-- serves each request on its own worker thread (`execute` returns at once), up to `max_in_flight`,
-  its responses sent at once while the stub is free, else queued for one thread that sends them in turn
-  (disagg.triton.response_thread);
+- serves each request on its own worker thread, up to `max_in_flight`, `execute` having sent its
+  first hop while a worker is free (`_accept`), its responses sent at once while the stub is free, else
+  queued for one thread that sends them in turn (disagg.triton.response_thread);
 - streams the context phase's first token the moment prefill returns it (TTFT = prefill), from the
   stream's reader thread without waiting for the request's worker to wake (`Hop`), and drops
   the copy of it that every generation-only response stream starts with (TensorRT-LLM re-adds it), so
@@ -49,7 +49,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -71,6 +71,7 @@ from disagg.triton.response_thread import ResponseThread
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 PREFIX_TOKENS = 4
 _DONE = object()
+SENT = object()  # what `_serve` yields once the request's first hop is on its way (`_accept`)
 CANCEL_CHECK_S = 0.05
 # A client that calls an orchestrator itself (not through an ensemble) cancels on its response sender; asking
 # is an IPC round trip, so it is asked less often than the cancel flag is looked at.
@@ -132,6 +133,12 @@ class Cancelled(Exception):
 
 def _scalar(value, dtype) -> np.ndarray:
     return np.asarray([[value]], dtype=dtype)
+
+
+def _run_out(serving: Iterator[object]) -> None:
+    """A request's worker: serves what `_accept` left of it."""
+    for _ in serving:
+        pass
 
 
 class Hop:
@@ -358,7 +365,8 @@ class TritonPythonModel:
         self.rng = random.Random(0)
         self.prefill_timeout_s = float(model_param(args, "prefill_timeout_s"))
         self.decode_timeout_s = float(model_param(args, "decode_timeout_s"))
-        self.workers = ThreadPoolExecutor(max_workers=int(model_param(args, "max_in_flight")), thread_name_prefix="request")
+        self.max_in_flight = int(model_param(args, "max_in_flight"))
+        self.workers = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="request")
         self.out = ResponseThread(self.instance)
         self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
         self.servers: dict[str, Server] = {}  # by URL
@@ -403,21 +411,31 @@ class TritonPythonModel:
                                                    "was predicted to meet their class", {"service_class": name}) for name in self.classes}
 
     def execute(self, requests):
-        """Hands each request to a worker, without the stub's lock. Its calls (inputs, parameters, the
-        response sender) are the ones an engine model's execute makes while that model's delivery thread
-        sends responses, never under a lock. Taking the lock here made every arriving request wait out the
-        response thread's batch of sends: 19 ms an execute at 64 streams, while Triton held the next request."""
+        """Starts each request and hands it to a worker, without the stub's lock. Its calls (inputs,
+        parameters, the response sender) are the ones an engine model's execute makes while that model's
+        delivery thread sends responses, never under a lock. Taking the lock here made every arriving request
+        wait out the response thread's batch of sends: 19 ms an execute at 64 streams, while Triton held the
+        next request."""
         self._accept(requests)
         return None
 
     def _accept(self, requests) -> None:
+        """`_serve` runs here up to its first hop's send when a worker is free to take the rest at once: the
+        request's first token then waits for no worker to wake (0.16 ms at one stream, docs/measurements.md).
+        With every worker busy, the request waits for one before it does anything, prefill included, so no
+        more than `max_in_flight` requests hold KV."""
         for request in requests:
             arrays = self._copy_inputs(request)
             if "service_class" not in arrays:  # else the request parameter of that name (an ensemble passes them on)
                 named = json.loads(request.parameters() or "{}").get("service_class")
                 if named is not None:
                     arrays["service_class"] = np.asarray([[str(named).encode()]], dtype=object)
-            self.workers.submit(self._serve, arrays, request.get_response_sender(), time.monotonic())
+            serving = self._serve(arrays, request.get_response_sender(), time.monotonic())
+            with self._lock:
+                worker_free = self._count < self.max_in_flight
+            if worker_free:
+                next(serving, None)
+            self.workers.submit(_run_out, serving)
 
     def _copy_inputs(self, request) -> dict[str, np.ndarray]:
         """The request's inputs this model reads, copied: its tensors are released once execute returns."""
@@ -439,7 +457,9 @@ class TritonPythonModel:
         """Where postprocessing tells of a client's cancellation (through an ensemble it alone hears of it)."""
         return cancel_board.CancelFlag(self.board_key, self.instance, request_id)
 
-    def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> None:
+    def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> Iterator[object]:
+        """Serves one request; yields SENT when a hop of it is on its way (never, when it ends before one), so
+        that `_accept` can run it up to its first hop's send and a worker the rest."""
         request_id = uuid.uuid4().hex
         flag = self._cancel_flag(request_id)
         streaming = arrays.pop("streaming", None)
@@ -474,11 +494,11 @@ class TritonPythonModel:
                         engine, at = self._pick(self.engines), None
                     reached.engines.append(engine)
                     try:
-                        self._context_and_generation(engine, inputs, request_id, client, cancelled, arrival, measured_at=at)
+                        yield from self._context_and_generation(engine, inputs, request_id, client, cancelled, arrival, measured_at=at)
                     finally:
                         self._done(engine)
                 else:
-                    self._disaggregated(request_id, inputs, client, cancelled, arrival, reached, klass)
+                    yield from self._disaggregated(request_id, inputs, client, cancelled, arrival, reached, klass)
                 client.finish()
                 completed = True
             except Cancelled:
@@ -506,7 +526,7 @@ class TritonPythonModel:
                 self._track(-1)
 
     def _disaggregated(self, request_id: str, inputs: dict[str, np.ndarray], client: ClientStream, cancelled, arrival: float,
-                       reached: Reached, klass: sla.ServiceClass | None) -> None:
+                       reached: Reached, klass: sla.ServiceClass | None) -> Iterator[object]:
         self._check_live(self.decoders)  # no prefill work (and KV to hand off) for a request no decode can take
         if klass is None:
             prefill, at_prefill = self._pick_prefill(inputs["input_ids"].reshape(-1)[: int(inputs["input_lengths"].reshape(-1)[0])]), 0
@@ -517,7 +537,7 @@ class TritonPythonModel:
         started = time.monotonic()
         try:
             if int(inputs["request_output_len"].reshape(-1)[0]) <= 1:  # the context phase is all of it
-                self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
+                yield from self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
                 return
 
             def first_out(token: int) -> None:  # on the prefill stream's reader thread
@@ -526,6 +546,7 @@ class TritonPythonModel:
 
             try:
                 with self._hop(prefill, inputs, request_id, "context_only", on_first_token=first_out) as hop:
+                    yield SENT
                     context = list(hop.results(self.prefill_timeout_s, cancelled))
                 self._observe("prefill", prefill, at_prefill, time.monotonic() - started)
             except HopError as exc:
@@ -534,7 +555,7 @@ class TritonPythonModel:
                 # The first token ended the request (end_id): a context-only request has no params then, and
                 # the backend answers with this error. Ask for that one token as a whole request instead.
                 one = {**inputs, "request_output_len": _scalar(1, np.int32)}
-                self._context_and_generation(prefill, one, request_id, client, cancelled, arrival)
+                yield from self._context_and_generation(prefill, one, request_id, client, cancelled, arrival)
                 return
         finally:
             self._done(prefill)
@@ -634,12 +655,13 @@ class TritonPythonModel:
             self._observe("decode", engine, measured_at, (time.monotonic() - first_at) / (after - 1))
 
     def _context_and_generation(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, client: ClientStream, cancelled,
-                                arrival: float, measured_at: int | None = None) -> None:
+                                arrival: float, measured_at: int | None = None) -> Iterator[object]:
         """The whole request on one engine, streamed: the aggregated path, and a one-token disaggregated one.
         With `measured_at` (the requests in flight there when it was routed by class) its TTFT and TPOT
         are what the engine's pool is measured by."""
         started, first_at, count = time.monotonic(), None, 0
         with self._hop(engine, inputs, request_id, "context_and_generation") as hop:
+            yield SENT
             for tokens, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
                 if first_at is None and tokens:
                     first_at = time.monotonic()
