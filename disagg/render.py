@@ -20,7 +20,7 @@ from pathlib import Path
 from disagg.backend import backend_for
 from disagg.repository import ENGINE_MODELS, Model, parse_config, python_model, render_template, repo_relative, role_models, write_changed
 from disagg.spec import ROLES, DeploymentSpec
-from disagg.triton.contract import ENGINE_GRPC_PORT, ENGINE_HTTP_PORT, ENGINE_METRICS_PORT
+from disagg.triton.contract import ENGINE_HTTP_PORT, ENGINE_METRICS_PORT
 
 
 def _text_parameters(spec: DeploymentSpec) -> tuple[dict, dict]:
@@ -59,7 +59,7 @@ def engine_urls(spec: DeploymentSpec) -> str:
     if spec.pools:
         def sources(role: str) -> str:
             pools = spec.pools_of(role)
-            return "|".join(f"dns:{p.name}:{ENGINE_GRPC_PORT}:{ENGINE_METRICS_PORT}" + (f";cost={p.cost:g}" if len(pools) > 1 else "")
+            return "|".join(f"dns:{p.name}:{ENGINE_HTTP_PORT}:{ENGINE_METRICS_PORT}" + (f";cost={p.cost:g}" if len(pools) > 1 else "")
                             for p in pools)
 
         return ",".join(f"{name}={sources(role.name)}" for role in roles for name in role_models(spec, role.name))

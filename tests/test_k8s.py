@@ -105,15 +105,15 @@ def test_the_front_reaches_every_engine_model_at_its_pools_service(rendered):
     repository = _find(docs, "ConfigMap", "repository")["data"]
     config = parse_config("disagg_orchestrator", repository["disagg_orchestrator__config.pbtxt"])
     urls = dict(item.split("=") for item in config.parameters["engine_urls"].string_value.split(","))
-    assert urls == {"prefill": "dns:prefill-h200:8001:8002", "prefill_1": "dns:prefill-h200:8001:8002",
-                    "prefill_2": "dns:prefill-h200:8001:8002", "prefill_3": "dns:prefill-h200:8001:8002",
-                    "decode": "dns:decode-h100:8001:8002"}
+    assert urls == {"prefill": "dns:prefill-h200:8000:8002", "prefill_1": "dns:prefill-h200:8000:8002",
+                    "prefill_2": "dns:prefill-h200:8000:8002", "prefill_3": "dns:prefill-h200:8000:8002",
+                    "decode": "dns:decode-h100:8000:8002"}
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     for url in urls.values():
         source = replicas.parse_source(url)  # the orchestrator resolves the headless Service's name
         ports = {p["name"]: p["port"] for p in services[source.host]["spec"]["ports"]}
         assert services[source.host]["spec"]["clusterIP"] == "None"
-        assert (ports["grpc"], ports["metrics"]) == (source.grpc_port, source.metrics_port)
+        assert (ports["http"], ports["metrics"]) == (source.http_port, source.metrics_port)
     front = _find(docs, "Deployment", "front")["spec"]["template"]["spec"]
     assert [c["name"] for c in front["containers"]] == ["triton", "openai"]
     assert front["containers"][0]["command"] == ["bash", "/launch/launch-front.sh"]
@@ -147,9 +147,9 @@ def test_only_the_front_is_reachable_from_outside_and_engines_only_from_the_fron
     pool_labels = _find(docs, "StatefulSet", "prefill-h200")["spec"]["template"]["metadata"]["labels"]
     assert engines["podSelector"]["matchLabels"].items() <= pool_labels.items()
     assert not engines["podSelector"]["matchLabels"].items() <= front_labels.items()
-    grpc_rule = engines["ingress"][0]
-    assert grpc_rule["from"][0]["podSelector"]["matchLabels"].items() <= front_labels.items()
-    assert grpc_rule["ports"] == [{"port": 8001, "protocol": "TCP"}]
+    engine_rule = engines["ingress"][0]
+    assert engine_rule["from"][0]["podSelector"]["matchLabels"].items() <= front_labels.items()
+    assert engine_rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
     deny = _find(docs, "NetworkPolicy", "deny-ingress")["spec"]
     assert deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
     for doc in docs:
@@ -268,8 +268,8 @@ def test_a_role_in_a_fast_and_a_cheap_pool_is_served_by_both_at_their_costs(tmp_
     repository = _find(docs, "ConfigMap", "repository")["data"]
     config = parse_config("disagg_orchestrator", repository["disagg_orchestrator__config.pbtxt"])
     urls = dict(item.split("=", 1) for item in config.parameters["engine_urls"].string_value.split(","))
-    assert urls["decode"] == "dns:decode-h100:8001:8002;cost=1|dns:decode-h200:8001:8002;cost=3"
-    assert urls["prefill"] == "dns:prefill-h200:8001:8002"  # one pool: no cost to weigh
+    assert urls["decode"] == "dns:decode-h100:8000:8002;cost=1|dns:decode-h200:8000:8002;cost=3"
+    assert urls["prefill"] == "dns:prefill-h200:8000:8002"  # one pool: no cost to weigh
     services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
     for part in urls["decode"].split("|"):
         value, _, cost = part.partition(";")

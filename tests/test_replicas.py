@@ -39,15 +39,15 @@ def test_a_replicas_load_is_read_from_the_tensorrtllm_backends_metric_families()
 def test_sources_are_named_in_engine_urls():
     registry = parse_source("registry:/run/pools/decode")
     assert isinstance(registry, RegistrySource) and str(registry.directory) == "/run/pools/decode"
-    dns = parse_source("dns:decode-h100:8001:8002")
-    assert isinstance(dns, DnsSource) and (dns.host, dns.grpc_port, dns.metrics_port) == ("decode-h100", 8001, 8002)
+    dns = parse_source("dns:decode-h100:8000:8002")
+    assert isinstance(dns, DnsSource) and (dns.host, dns.http_port, dns.metrics_port) == ("decode-h100", 8000, 8002)
     assert parse_source("decode-pool:8001") is None
 
 
 def test_dns_lists_every_address_of_the_name():
-    assert DnsSource("localhost", 8001, 8002).replicas()[0] in (
-        Replica("127.0.0.1:8001", "http://127.0.0.1:8002/metrics"), Replica("[::1]:8001", "http://[::1]:8002/metrics"))
-    assert DnsSource("no-such-pool.invalid", 8001, 8002).replicas() == []
+    assert DnsSource("localhost", 8000, 8002).replicas()[0] in (
+        Replica("http://127.0.0.1:8000", "http://127.0.0.1:8002/metrics"), Replica("http://[::1]:8000", "http://[::1]:8002/metrics"))
+    assert DnsSource("no-such-pool.invalid", 8000, 8002).replicas() == []
 
 
 def test_the_registry_lists_announced_replicas_and_skips_what_it_cannot_read(tmp_path):

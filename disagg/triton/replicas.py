@@ -8,7 +8,7 @@ Prometheus endpoint, the same families the tensorrtllm backend reports (custom_m
 Sources, as an `engine_urls` value:
     registry:<directory>            one JSON file per replica, {"url": "http://host:port", "metrics": "http://..."},
                                     written by `disagg-serve --announce` once ready and removed before it stops
-    dns:<host>:<grpc port>:<metrics port>   every address the name resolves to, reached over gRPC (a headless
+    dns:<host>:<http port>:<metrics port>   every address the name resolves to, reached over HTTP (a headless
                                     Service lists only its ready pods)
 A replica joins once its metrics answer, and leaves when its source stops listing it or its metrics have
 not answered for SILENT_S; requests already on a replica that left finish there (the orchestrator keeps
@@ -78,18 +78,18 @@ class RegistrySource(Source):
 
 
 class DnsSource(Source):
-    def __init__(self, host: str, grpc_port: int, metrics_port: int):
-        self.host, self.grpc_port, self.metrics_port = host, grpc_port, metrics_port
+    def __init__(self, host: str, http_port: int, metrics_port: int):
+        self.host, self.http_port, self.metrics_port = host, http_port, metrics_port
 
     def replicas(self) -> list[Replica]:
         try:
-            infos = socket.getaddrinfo(self.host, self.grpc_port, type=socket.SOCK_STREAM)
+            infos = socket.getaddrinfo(self.host, self.http_port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError):
             return []  # no ready replica: the name has no address
         # A dual-stack pod has an IPv4 and an IPv6 address: one replica, listed once (by its IPv4 one).
         v4 = {info[4][0] for info in infos if info[0] == socket.AF_INET}
         addresses = sorted(v4 or {info[4][0] for info in infos})
-        return [Replica(f"{_host(a)}:{self.grpc_port}", f"http://{_host(a)}:{self.metrics_port}/metrics") for a in addresses]
+        return [Replica(f"http://{_host(a)}:{self.http_port}", f"http://{_host(a)}:{self.metrics_port}/metrics") for a in addresses]
 
 
 def _host(address: str) -> str:
