@@ -39,7 +39,7 @@ class Served:
     def __init__(self, orchestrator, busy: int = 0, max_in_flight: int = 4):
         model = orchestrator.TritonPythonModel.__new__(orchestrator.TritonPythonModel)
         model.read_inputs = {"input_ids"}
-        model._lock, model._count, model.max_in_flight = threading.Lock(), busy, max_in_flight
+        model._lock, model._handed, model.max_in_flight = threading.Lock(), busy, max_in_flight
         model.workers = ThreadPoolExecutor(max_workers=max_in_flight)
         self.model, self.sent_on, self.rest_on, self.done = model, [], [], threading.Event()
         self.arrays, self.senders = [], []
@@ -74,6 +74,7 @@ def test_execute_starts_requests_while_the_stubs_lock_is_held_and_a_worker_serve
     assert sorted(arrays) == ["input_ids", "service_class"]
     assert arrays["input_ids"].tolist() == [[5, 6, 7]] and arrays["service_class"].tolist() == [[b"batch"]]
     served.model.workers.shutdown()
+    assert served.model._handed == 0, "the worker was not given back"
 
 
 def test_with_every_worker_busy_a_request_starts_on_its_worker(orchestrator):
@@ -83,3 +84,18 @@ def test_with_every_worker_busy_a_request_starts_on_its_worker(orchestrator):
     assert served.done.wait(5)
     assert served.sent_on == served.rest_on and served.sent_on[0] is not threading.current_thread()
     served.model.workers.shutdown()
+    assert served.model._handed == 4
+
+
+def test_a_fault_before_the_first_hop_gives_its_worker_back(orchestrator):
+    served = Served(orchestrator)
+
+    def broken(arrays, sender, arrival):
+        raise KeyError("input_lengths")
+        yield
+
+    served.model._serve = broken
+    with pytest.raises(KeyError):
+        served.model.execute([Request(input_ids=np.asarray([[5]], dtype=np.int32))])
+    served.model.workers.shutdown()
+    assert served.model._handed == 0

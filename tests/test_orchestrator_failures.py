@@ -133,7 +133,8 @@ def test_an_unexpected_fault_still_ends_the_request_with_an_error_and_a_log(orch
     sender = Sender()
     arrays = {"input_ids": np.array([[5, 6, 7]], np.int32), "input_lengths": np.array([[3]], np.int32),
               "request_output_len": np.array([[4]], np.int32), "streaming": np.array([[True]])}
-    orchestrator._run_out(model._serve(arrays, sender, 0.0))
+    for _ in model._serve(arrays, sender, 0.0):
+        pass
     model.out.close()
     ((response, flags),) = sender.until_final()
     assert sender.sent.empty()

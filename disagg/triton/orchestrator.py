@@ -135,12 +135,6 @@ def _scalar(value, dtype) -> np.ndarray:
     return np.asarray([[value]], dtype=dtype)
 
 
-def _run_out(serving: Iterator[object]) -> None:
-    """A request's worker: serves what `_accept` left of it."""
-    for _ in serving:
-        pass
-
-
 class Hop:
     """One call to an engine model, its responses handed over through a queue so the caller can time out
     and notice cancellation while the engine works.
@@ -377,6 +371,7 @@ class TritonPythonModel:
         self.failures = self.metrics.counter("disagg_orchestrator_failures_total", "Requests ended by an error or timeout")
         self.cancels = self.metrics.counter("disagg_orchestrator_cancelled_total", "Requests cancelled by the client")
         self._count = 0
+        self._handed = 0  # requests handed to the workers and not yet served: a worker is free while < max_in_flight
         self._lock = threading.Lock()
         # A model's engine_urls value names one server, or pools: "source[;cost=N]|source[;cost=N]...".
         self.pools: dict[str, replicas.ReplicaPool] = {}  # by source
@@ -422,8 +417,8 @@ class TritonPythonModel:
     def _accept(self, requests) -> None:
         """`_serve` runs here up to its first hop's send when a worker is free to take the rest at once: the
         request's first token then waits for no worker to wake (0.16 ms at one stream, docs/measurements.md).
-        With every worker busy, the request waits for one before it does anything, prefill included, so no
-        more than `max_in_flight` requests hold KV."""
+        With every worker taken (`_handed`), the request waits for one before it does anything, prefill
+        included, so no more than `max_in_flight` requests hold KV."""
         for request in requests:
             arrays = self._copy_inputs(request)
             if "service_class" not in arrays:  # else the request parameter of that name (an ensemble passes them on)
@@ -432,10 +427,22 @@ class TritonPythonModel:
                     arrays["service_class"] = np.asarray([[str(named).encode()]], dtype=object)
             serving = self._serve(arrays, request.get_response_sender(), time.monotonic())
             with self._lock:
-                worker_free = self._count < self.max_in_flight
-            if worker_free:
-                next(serving, None)
-            self.workers.submit(_run_out, serving)
+                worker_free = self._handed < self.max_in_flight
+                self._handed += 1
+            try:
+                if worker_free:
+                    next(serving, None)
+            finally:
+                self.workers.submit(self._run_out, serving)
+
+    def _run_out(self, serving: Iterator[object]) -> None:
+        """A request's worker: serves what `_accept` left of it."""
+        try:
+            for _ in serving:
+                pass
+        finally:
+            with self._lock:
+                self._handed -= 1
 
     def _copy_inputs(self, request) -> dict[str, np.ndarray]:
         """The request's inputs this model reads, copied: its tensors are released once execute returns."""
