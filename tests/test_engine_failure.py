@@ -114,8 +114,9 @@ def test_a_killed_decode_fails_its_requests_within_2_s_and_heals_within_5_s(serv
     assert _restarts(served)["decode"] == 1
     assert wait_kv_zero(served, timeout_s=10.0) == NO_KV
     log = served.log.read_text()
-    # reloaded by the watchdog, or (in about one kill of six) decode's own server aborted and was restarted
-    assert "decode: instance decode_0_0" in log and ("reloaded in" in log or "tritonserver of decode ready again" in log)
+    # reloaded by the watchdog, or (in about one kill of six) decode's own server aborted and was restarted: a
+    # watchdog that finds that server down leaves it to its supervisor and logs nothing (disagg.serve.watchdog)
+    assert ("decode: instance decode_0_0" in log and "reloaded in" in log) or "tritonserver of decode ready again" in log
     print(f"not ready after {not_ready:.2f} s, serving again {healed:.2f} s after the kill")
 
 
