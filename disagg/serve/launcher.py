@@ -153,7 +153,7 @@ class Servers:
             self.engines[name] = Supervised(f"tritonserver of {name}", server(name, ports, [name], {}, "127.0.0.1", []), signalled,
                                             on_restart=lambda name=name: load_board.count_restart(self.key, name),
                                             hung_after_s=args.hung_after_secs)
-        urls = ",".join(f"{name}=http://{sup.server.http_url}" for name, sup in self.engines.items())
+        urls = ",".join(f"{name}={sup.server.engine_url}" for name, sup in self.engines.items())
         served = only or _models(self.repository)
         front_models = [m for m in served if m not in self.engines] if isolate else (only or ["*"])
         self.main = Supervised("tritonserver", server(
@@ -277,9 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             front.start().wait_ready()
             print(f"{_PREFIX} OpenAI-compatible API on {front.base_url}", flush=True)
         if args.announce and not signalled:
-            url = f"http://{main_server.http_url}"
-            entry.append(replicas.announce(args.announce, replicas.Replica(url, main_server.metrics_url)))
-            print(f"{_PREFIX} listed in the registry {args.announce} as {url}", flush=True)
+            entry.append(replicas.announce(args.announce, replicas.Replica(main_server.engine_url, main_server.metrics_url)))
+            print(f"{_PREFIX} listed in the registry {args.announce} as {main_server.engine_url}", flush=True)
         print(f"{_PREFIX} ready", flush=True)
         code = servers.main.run(args.ready_timeout_secs)
     except ServerError as exc:

@@ -275,6 +275,12 @@ class TritonServer:
         return f"{self.client_host}:{self.http_port}"
 
     @property
+    def engine_url(self) -> str:
+        """Where an orchestrator reaches the engine models this server serves: its HTTP endpoint
+        (disagg.triton.transport)."""
+        return f"http://{self.http_url}"
+
+    @property
     def grpc_url(self) -> str:
         return f"{self.client_host}:{self.grpc_port}"
 
@@ -319,7 +325,7 @@ class TritonServer:
         self.install = find_install(self._workdir)
         env = dict(os.environ, **self.install.env)
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        env[ENGINE_URL_ENV] = f"http://{self.http_url}"  # where the orchestrator reaches the engine models
+        env[ENGINE_URL_ENV] = self.engine_url
         env.update(self.env)
         out = None
         if self.log_path is not None:
