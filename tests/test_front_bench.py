@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from engine_helpers import EngineFactory
 
-from disagg.bench.front import (COALESCED, PATHS, PROMPT, CeilingRound, Driver, Flight, Level, front_spec, measure, median_interval,
+from disagg.bench.front import (COALESCED, PATHS, PROMPT, CeilingRound, Driver, Flight, Level, figure, front_spec, measure, median_interval,
                                 rotated, summary)
+from disagg.bench.front_plot import plot
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
@@ -188,7 +189,10 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
                         "(median within +1.00 to +4.00 at 95%; quartiles +1.75 to +3.25), per token +0.050 ms (+0.025 to +0.075)")
     cpu = next(i for i, line in enumerate(lines) if line.startswith("  CPU ms per output token"))
     assert lines[cpu + 2].startswith("    prefill + decode            total 0.20")  # the rounds are no level: the CPU is the 64 streams'
-    assert lines[-1] == "    tensorrt_llm_bls            TTFT +2.50 ms (not met); per token +0.050 ms (met)"  # no bound measured
+    assert lines[-1] == ("    tensorrt_llm_bls            TTFT +2.50 ms (not met by the median; its 95% interval +1.00 to +4.00 holds the "
+                         "target); per token +0.050 ms (met by the median; its 95% interval +0.000 to +0.100 holds the target)")  # no bound measured
+    clear = [replace(r, ttft_ms=r.ttft_ms + (1.0 if r.path == "tensorrt_llm_bls" else 0.0), token_ms=21.0) for r in rounds]
+    assert summary(rows + clear, [])[-1] == "    tensorrt_llm_bls            TTFT +3.50 ms (not met); per token +0.000 ms (met)"
     floor = [Level("front_floor", 1, 0.0, ttft, 0.0, float("nan"), 1, 0, round=i) for i, ttft in ((0, 27.5), (1, 26.25))]
     lines = summary(rows + rounds + floor, [])
     assert lines[2:4] == ["  front_floor vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +0.88 ms "
@@ -199,3 +203,25 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
     one = [Level("tensorrt_llm_bls", 1, 48.0, 28.93, 20.945, 20.945, 21, 0), Level("prefill + decode", 1, 48.0, 24.94, 21.0, 21.0, 22, 0)]
     assert summary(one, [])[0] == ("  tensorrt_llm_bls vs prefill + decode, 1 stream: TTFT +3.99 ms, per token "
                                    "-0.055 ms, gap between responses -0.055 ms (21 and 22 requests)")
+
+
+def test_the_figure_shows_each_path_by_streams_each_ceiling_round_and_each_round_of_ttft(tmp_path):
+    rows = [Level(path, streams, rate, 30.0, 21.0, 21.0, 10, 0) for path, streams, rate in (
+        ("tensorrt_llm_bls", 1, 45.0), ("tensorrt_llm_bls", 64, 1200.0), ("prefill + decode", 1, 48.0), ("prefill + decode", 64, 2400.0))]
+    ceilings = [CeilingRound(i, {16: 200.0, 64: engine}, {"tensorrt_llm_bls": replace(rows[1], tokens_per_s=bls),
+                                                         "prefill + decode": replace(rows[3], tokens_per_s=direct)})
+                for i, (engine, bls, direct) in enumerate([(400.0, 1000.0, 2000.0), (500.0, 1600.0, 2500.0)])]
+    rounds = [Level(path, 1, 0.0, ttft, 21.0, 21.0, 1, 0, round=i) for i, path, ttft in (
+        (0, "tensorrt_llm_bls", 27.5), (0, "prefill + decode", 26.0), (0, "front_floor", 27.0),
+        (1, "prefill + decode", 25.0), (1, "tensorrt_llm_bls", 27.0), (1, "front_floor", 26.0))]
+    shown = figure(rows + rounds, ceilings)
+    assert shown.tokens == {"tensorrt_llm_bls": [(1, 45.0), (64, 1200.0)], "prefill + decode": [(1, 48.0), (64, 2400.0)]}
+    assert shown.engine_peaks == [400.0, 500.0]
+    assert shown.ratios == {"tensorrt_llm_bls": [2.5, 3.2], "prefill + decode": [5.0, 5.0]}
+    assert shown.ttft_added == {"ensemble": [], "tensorrt_llm_bls": [1.5, 2.0], COALESCED: [], "front_floor": [1.0, 1.0]}
+    assert (shown.ceiling_target, shown.ttft_target_ms) == (3.0, 1.5)
+    drawn = plot(shown, tmp_path / "front.png")
+    assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bare = figure(rows, [])  # no ceiling rounds, no alternated rounds: the levels alone
+    assert (bare.engine_peaks, bare.ratios, set(map(len, bare.ttft_added.values()))) == ([], {}, {0})
+    assert plot(bare, tmp_path / "bare.png").stat().st_size > 0
