@@ -132,11 +132,18 @@ def test_the_front_a_deployment_needs_names_each_model_short_of_instances_and_wh
            "orchestrator.instances: 8" in out  # 7.32 cores of one model
     assert "plan:   postprocessing: one core at most per instance, needs at least 5, this spec gives it 1: short, and it runs one " \
            "instance: serve through tensorrt_llm_bls (orchestrator.bls: true)" in out  # 4.98 cores
-    h200 = load_spec(ROOT / "configs" / "h200x8-intra-node.yaml", LLAMA_3_1_8B)  # sized by that advice
+    h200 = load_spec(ROOT / "configs" / "h200x8-intra-node.yaml", LLAMA_3_1_8B)  # sized by later rows: 0.16 ms in the BLS's stub
     plan_gpus.print_front(h200, front, SimpleNamespace(goodput=48.8), traffic)
     lines = capsys.readouterr().out.splitlines()
     assert "through tensorrt_llm_bls at 0.60 ms of CPU per token (stub tensorrt_llm_bls 0.47, tritonserver 0.13;" in lines[0]
-    assert lines[1:] == ["plan:   tensorrt_llm_bls: one core at most per instance, needs at least 7, this spec gives it 7"]  # 6.88 cores
+    assert lines[1:] == ["plan:   tensorrt_llm_bls: one core at most per instance, needs at least 7, this spec gives it 4: short, "
+                         "set orchestrator.instances: 7"]  # 6.88 cores
+    rows = [dict(r, cpu_ms_per_token={**r["cpu_ms_per_token"], "stub tensorrt_llm_bls": 0.16}) if r["path"] == "tensorrt_llm_bls" else r
+            for r in FRONT_ROWS]
+    front.write_text(json.dumps({"rows": rows}))
+    plan_gpus.print_front(h200, front, SimpleNamespace(goodput=48.8), traffic)
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "plan:   tensorrt_llm_bls: one core at most per instance, needs at least 3, this spec gives it 4"]  # 2.34 cores
 
 
 # `bench front`'s rows (front.json), as measured on 4 December at 64 streams and 20 ms steps, rounded
