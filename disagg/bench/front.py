@@ -63,6 +63,7 @@ import numpy as np
 import psutil
 import tritonclient.grpc as grpcclient
 import yaml
+from tqdm import tqdm
 
 from disagg.bench.front_plot import FrontFigure, plot
 from disagg.engine.no_compute import skipped_compute
@@ -414,7 +415,7 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                 print(f"  ceiling round {i + 1}/{ceiling_rounds}: the {ENGINE} {max(c.engine.values()):.0f} tokens/s, "
                       + ", ".join(f"{front} {level.tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front, level in c.fronts.items()),
                       flush=True)
-            for i in range(alternate):
+            for i in tqdm(range(alternate), desc="alternated rounds", unit="round", disable=None, leave=False):
                 for path in rotated(rounds, i):
                     rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1), round=i))
         except RuntimeError as exc:
