@@ -136,24 +136,26 @@ def test_a_stopped_decode_is_ended_and_reloaded_and_its_requests_fail_naming_the
     STOPPED_LIMIT_S and reloads it like a dead one."""
     before = _restarts(served).get("decode", 0)
     server_restarts = served.log.read_text().count("disagg-serve: tritonserver of decode ready again")
-    expected = {i: stream(served.grpc_url, "aggregated", f"stopped {i}", 250, end_id=NO_END_ID).text for i in range(4)}
+    # 300 tokens: about 0.5 s of decoding here, the window the stop must fall in (the prompt's few tokens
+    # and these fit max_seq_len 320)
+    expected = {i: stream(served.grpc_url, "aggregated", f"stopped {i}", 300, end_id=NO_END_ID).text for i in range(4)}
     outcomes: dict[int, tuple[str, str, float]] = {}
 
     streaming = threading.Event()
 
     def one(i: int) -> None:
         try:
-            outcomes[i] = ("ok", stream(served.grpc_url, "ensemble", f"stopped {i}", 250, end_id=NO_END_ID, timeout_s=30,
+            outcomes[i] = ("ok", stream(served.grpc_url, "ensemble", f"stopped {i}", 300, end_id=NO_END_ID, timeout_s=30,
                                         on_text=lambda _t: streaming.set()).text, 0.0)
         except Exception as exc:  # noqa: BLE001 - what the client sees is the point
             outcomes[i] = ("error", str(exc), time.monotonic() - stopped_at)
 
+    pid = served.stub_pid("decode_0_0")  # found before the streams start: only the stop follows their first text
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     assert streaming.wait(10)
     time.sleep(0.05)
-    pid = served.stub_pid("decode_0_0")
     stopped_at = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     served.until(lambda: served.probe("/ready")[0] == 503, 3.0, "/ready turning false for a stopped engine")
