@@ -88,11 +88,11 @@ def holding(lock) -> threading.Event:
     return release
 
 
-def decode_hop(orchestrator, stream, **options):
-    """A generation-only hop of request r1 to `decode`, sent on `stream`, run by the orchestrator module
+def decode_hop(hop, stream, **options):
+    """A generation-only hop of request r1 to `decode`, sent on `stream`, run by the disagg.triton.hop module
     imported with this stub; `options`: Hop's keyword arguments."""
-    return orchestrator.Hop(stream, orchestrator.Engine("decode", "127.0.0.1:8001"), {"input_ids": np.zeros((1, 2), np.int32)},
-                            "r1", "generation_only", "key", orchestrator.load_board.Liveness(), **options)
+    return hop.Hop(stream, hop.Engine("decode", "127.0.0.1:8001"), {"input_ids": np.zeros((1, 2), np.int32)},
+                   "r1", "generation_only", "key", hop.load_board.Liveness(), **options)
 
 
 class EngineResult:
@@ -111,15 +111,20 @@ PB_UTILS.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
 PB_UTILS.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
 
 
+STUB_IMPORTERS = tuple(f"disagg.triton.{name}" for name in (
+    "metrics", "responses", "response_thread", "hop", "client_stream", "routing", "orchestrator"))
+
+
 @contextlib.contextmanager
-def imported_with_stub(module: str):
-    """`module` (and disagg.triton.metrics, .responses and .response_thread, which it may import) imported
-    against PB_UTILS; removed afterwards."""
-    names = (module, "disagg.triton.metrics", "disagg.triton.responses", "disagg.triton.response_thread")
+def imported_with_stub(*modules: str):
+    """`modules` (and the modules of disagg.triton that import the stub, which they may import) imported
+    against PB_UTILS, one module or a tuple of them; removed afterwards."""
+    names = (*modules, *STUB_IMPORTERS)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "triton_python_backend_utils", PB_UTILS)
         for name in names:
             mp.delitem(sys.modules, name, raising=False)
-        yield importlib.import_module(module)
+        imported = tuple(importlib.import_module(module) for module in modules)
+        yield imported[0] if len(imported) == 1 else imported
         for name in names:
             sys.modules.pop(name, None)

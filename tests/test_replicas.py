@@ -190,12 +190,12 @@ def test_a_request_that_finds_no_replica_has_the_pool_read_again_before_it_is_re
     source = f"registry:{tmp_path}"
     pool = ReplicaPool(RegistrySource(str(tmp_path)), refresh_s=3600)  # its thread will not read it again
     try:
-        with imported_with_stub("disagg.triton.orchestrator") as orchestrator:
-            model = object.__new__(orchestrator.TritonPythonModel)
-            model.pools, model.pools_of, model.engine_urls = {source: pool}, {"decode": [source]}, {"decode": source}
-            with pytest.raises(orchestrator.HopError, match=rf"^decode: no replica is serving \(registry:{tmp_path}\): retry shortly$"):
-                model._candidates(["decode"])
+        with imported_with_stub("disagg.triton.routing") as routing:
+            router = object.__new__(routing.Router)
+            router.pools, router.pools_of, router.engine_urls = {source: pool}, {"decode": [source]}, {"decode": source}
+            with pytest.raises(routing.HopError, match=rf"^decode: no replica is serving \(registry:{tmp_path}\): retry shortly$"):
+                router.candidates(["decode"])
             announce(tmp_path, Replica("127.0.0.1:9101", url))
-            assert model._candidates(["decode"]) == [orchestrator.Engine("decode", "127.0.0.1:9101", source)]
+            assert router.candidates(["decode"]) == [routing.Engine("decode", "127.0.0.1:9101", source)]
     finally:
         pool.close()

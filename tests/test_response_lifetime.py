@@ -51,10 +51,10 @@ def test_the_engine_model_holds_its_tensors_through_each_send(pruning):
 
 
 def test_the_orchestrator_holds_its_tensors_through_each_send(pruning):
-    with imported_with_stub("disagg.triton.orchestrator") as orchestrator:
+    with imported_with_stub("disagg.triton.client_stream") as client_stream:
         sender = Sender()
-        out = orchestrator.ResponseThread("test")
-        client = orchestrator.ClientStream(out, sender, True, "stream")
+        out = client_stream.ResponseThread("test")
+        client = client_stream.ClientStream(out, sender, True, "stream")
         client.emit([5, 6])
         client.finish()
         out.close()

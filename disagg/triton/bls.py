@@ -24,7 +24,7 @@ import triton_python_backend_utils as pb_utils
 from disagg.text import Detokenizer, IncrementalText
 from disagg.triton import cancel_board, text_contract
 from disagg.triton.metrics import STUB_LOCK
-from disagg.triton.orchestrator import ClientStream
+from disagg.triton.client_stream import ClientStream
 from disagg.triton.orchestrator import TritonPythonModel as Orchestrator
 from disagg.triton.postprocessing import Postprocessor
 from disagg.triton.preprocessing import (

@@ -1,0 +1,195 @@
+"""A hop: one call from the orchestrator to an engine model, and where it goes.
+
+Engines are reached through the engine server's own endpoints rather than BLS: in Triton 2.51 concurrent
+decoupled BLS streams corrupt the python backend's heap (seen as `malloc(): unaligned fastbin chunk
+detected` and stub segfaults), while client calls are a well-trodden path.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg.triton import cancel_board, credential, load_board
+from disagg.triton.engine_request import EngineGone, EngineRequest
+from disagg.triton.metrics import STUB_LOCK
+from disagg.triton.transport import EngineStreams
+
+CANCEL_CHECK_S = 0.05
+# What Triton core answers for a model it has not loaded (model_repository_manager.cc): an engine server
+# that has just been restarted, before its model is back.
+MODEL_NOT_LOADED = "Request for unknown model"
+_DONE = object()
+
+
+class HopError(RuntimeError):
+    """A hop that failed. `engine_away`: the engine is coming back (its instances died and are being
+    reloaded, its pool has no replica yet, its tritonserver is being restarted), so a drain waits for it."""
+
+    def __init__(self, message: str, engine_away: bool = False):
+        super().__init__(message)
+        self.engine_away = engine_away
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where a hop goes: an engine model on one server (a pool's replica, or the one server of the model)."""
+
+    model: str
+    url: str
+    pool: str = ""  # the pool's source (disagg.triton.replicas), for a replica
+
+    @property
+    def replica(self) -> bool:
+        return bool(self.pool)
+
+    @property
+    def site(self) -> str:
+        """What its speed is measured for (disagg.triton.sla): its pool, or its one server."""
+        return self.pool or self.url
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}@{self.url}" if self.replica else self.model
+
+
+class Cancelled(Exception):
+    """The client cancelled the request (its cancel flag, or its response sender)."""
+
+
+class Hop:
+    """One call to an engine model, its responses handed over through a queue so the caller can time out
+    and notice cancellation while the engine works.
+
+    Over HTTP each call has a connection of its own (disagg.triton.engine_http); over gRPC it goes on the engine server's
+    shared stream (disagg.triton.engine_stream), or on a stream of its own (`own_stream`) for a `stop`,
+    which reuses the id of the request it stops.
+
+    `pids`: the processes of the model's instances when the hop began (from the load board). If one of
+    them dies, the hop fails at the next check, naming it, instead of waiting out its timeout: Triton
+    never answers a request whose stub was killed.
+
+    `on_first_token`: called with the hop's first token on the stream's reader thread, before the caller
+    gets it: the context phase's token goes to the client without waiting for the request's worker to wake
+    (0.16-0.19 ms at one stream, more when the workers queue for the GIL). Never once the caller has left
+    the hop (`leave`), whose answer may then be out."""
+
+    def __init__(self, stream: EngineStreams, engine: Engine, inputs: dict[str, np.ndarray], request_id: str,
+                 request_type: str, key: str, liveness: load_board.Liveness, pids: dict[int, str] | None = None,
+                 own_stream: bool = False, on_first_token: Callable[[int], None] | None = None):
+        self.model, self.request_id = engine.name, request_id
+        self.liveness, self.pids = liveness, pids or {}
+        self.results_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.stream, self.own_stream = stream, own_stream
+        self.on_first_token = on_first_token
+        self._first_lock = threading.Lock()  # held while on_first_token runs, so `leave` waits it out
+        request = EngineRequest(engine.model, request_id, inputs, {"request_type": request_type, credential.PARAMETER: key})
+        try:
+            stream.send(request, self._on_response)
+        except ConnectionError as exc:
+            raise HopError(f"{engine.name}: {exc}", engine_away=True) from None
+
+    def _on_response(self, result, error: str | None, final: bool) -> None:
+        if error is not None:  # the server went away (EngineGone), or it or its engine refused
+            away = isinstance(error, EngineGone) or MODEL_NOT_LOADED in error
+            self.results_queue.put(HopError(f"{self.model}: {error}", engine_away=away))
+        else:
+            ids, params = result.as_numpy("output_ids"), result.as_numpy("context_phase_params")
+            if ids is not None or params is not None:
+                tokens = [] if ids is None else ids.reshape(-1).tolist()
+                if tokens and self.on_first_token is not None:
+                    self._first(tokens[0])
+                self.results_queue.put((tokens, params))
+        if final:
+            self.results_queue.put(_DONE)
+
+    def _first(self, token: int) -> None:
+        with self._first_lock:
+            on_first_token, self.on_first_token = self.on_first_token, None
+            if on_first_token is None:
+                return
+            try:
+                on_first_token(token)
+            except Exception as exc:  # noqa: BLE001 - raised in the caller, as its own fault, not in the stream's reader
+                self.results_queue.put(exc)
+
+    def leave(self) -> None:
+        """The caller is done with the hop's responses: `on_first_token` is not called after this returns."""
+        with self._first_lock:
+            self.on_first_token = None
+
+    def close(self) -> None:
+        """Stops listening: after the final response, or when the engine will not give one."""
+        self.stream.forget(self.request_id, self._on_response)
+        if self.own_stream:
+            self.stream.close()
+
+    def end(self, timeout_s: float) -> None:
+        """Closes a hop cut short (cancelled, failed) once the engine has ended its request, which the
+        `stop` sent after it makes happen at once; gives up after `timeout_s`, or at once when an instance
+        died. Nothing is cancelled by the transport: a shared gRPC stream cannot cancel one request, and
+        cancelled streams are what crashed Triton 2.51 servers under load (README, Known problems)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and all(self.liveness.alive(pid) for pid in self.pids):
+            try:
+                if self.results_queue.get(timeout=CANCEL_CHECK_S) is _DONE:
+                    break
+            except queue.Empty:
+                pass
+        self.close()
+
+    def results(self, timeout_s: float, cancelled, coalesce_backlog: int = 0):
+        """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms.
+        With `coalesce_backlog`, once that many responses wait behind the caller, all waiting ones are yielded
+        together (their tokens in order, the last params): a consumer that has fallen behind gets fewer,
+        fuller responses instead of falling further behind, while one that keeps up gets them one by one."""
+        deadline = time.monotonic() + timeout_s
+        check = cancel_board.Throttle(CANCEL_CHECK_S, due_now=False)
+        held = None  # the end or an error found while coalescing: handled after the tokens before it
+        while True:
+            if held is not None:
+                item, held = held, None
+            else:
+                try:
+                    item = self.results_queue.get(timeout=CANCEL_CHECK_S)
+                except queue.Empty:
+                    item = None
+            if coalesce_backlog and isinstance(item, tuple) and self.results_queue.qsize() >= coalesce_backlog:
+                item, held = self._coalesce(item)
+            now = time.monotonic()
+            if check.due():  # every CANCEL_CHECK_S, tokens or not
+                with STUB_LOCK:
+                    is_cancelled = cancelled()
+                if is_cancelled:
+                    raise Cancelled()
+                dead = [f"{instance} (pid {pid})" for pid, instance in self.pids.items() if not self.liveness.alive(pid)]
+                if dead:
+                    raise HopError(f"{self.model}: engine instance {', '.join(dead)} died while serving this request", engine_away=True)
+            if item is None:
+                if now > deadline:
+                    raise HopError(f"{self.model}: no response within {timeout_s:g} s")
+                continue
+            if item is _DONE:
+                return
+            if isinstance(item, Exception):
+                raise item
+            deadline = now + timeout_s
+            yield item
+
+    def _coalesce(self, first: tuple[list[int], np.ndarray | None]):
+        """`first` merged with the token responses already waiting; returns it and the item that stopped
+        the merge (the end, an error) or None."""
+        tokens, params = first
+        while True:
+            try:
+                item = self.results_queue.get_nowait()
+            except queue.Empty:
+                return (tokens, params), None
+            if not isinstance(item, tuple):
+                return (tokens, params), item
+            tokens = tokens + item[0]
+            params = item[1] if item[1] is not None else params
