@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadtest.report import highest_met_rate
+from loadtest.calibration import split_spec
+from loadtest.compare import THREAD_ENV
 from loadtest.crossover import length_variant
+from loadtest.plan import main as plan_main
+from loadtest.report import highest_met_rate
 from loadtest.splits import (
     Run, against_aggregated, prediction_errors, rates_around, run_to_run, stand_in, sustained, verdict,
 )
-from loadtest.compare import THREAD_ENV
-from loadtest.plan import main as plan_main
-from loadtest.plan import split_spec
 from loadtest.workload import workload_file
 
 ROOT = Path(__file__).resolve().parent.parent

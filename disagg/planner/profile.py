@@ -84,7 +84,7 @@ class StepModel:
     fit_error: float  # the largest |predicted - measured| / measured over the timed steps
     # Cores the engine's process keeps busy while a step runs alone: 1 as profiled (one BLAS thread); served,
     # less where the step loop waits within a step, more where the process's other threads work beside it
-    # (measured by calibration, loadtest.plan.calibrated). What a step takes from cores it shares.
+    # (measured by calibration, loadtest.calibration.calibrated). What a step takes from cores it shares.
     cpu_per_wall: float = 1.0
     # What serving adds to a step for each generating sequence after the first: 0 as profiled (the engine alone);
     # served, each sequence's token is a response the engine's process sends, and the processes carrying the
