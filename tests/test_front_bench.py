@@ -225,3 +225,15 @@ def test_the_figure_shows_each_path_by_streams_each_ceiling_round_and_each_round
     bare = figure(rows, [])  # no ceiling rounds, no alternated rounds: the levels alone
     assert (bare.engine_peaks, bare.ratios, set(map(len, bare.ttft_added.values()))) == ([], {}, {0})
     assert plot(bare, tmp_path / "bare.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("command, flag", [("front", "--ceiling-rounds"), ("sla", "--seconds"), ("clients", "--genai-perf")])
+def test_a_bench_commands_help_is_its_own(command, flag, capsys):
+    """`python -m disagg.bench <command> --help` prints that command's options, not only the list of commands."""
+    from disagg.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m disagg.bench {command} ") and flag in out

@@ -1,8 +1,8 @@
 """`disagg-serve`: run tritonserver with what the bundled server needs filled in.
 
     disagg-serve --model-repository model_repository          # HTTP 8000, gRPC 8001, metrics 8002
-    disagg-serve --model-repository model_repository --http-port 9000 --grpc-port 9001 \\
-        --metrics-port 9002 --model-control-mode=explicit --load-model=ensemble
+    disagg-serve --model-repository model_repository --http-port 9100 --grpc-port 9101 \\
+        --metrics-port 9102 --openai-port 9103                 # OpenAI-compatible API on 9103 (default 9000)
 
 Takes tritonserver's own flags and passes them on unchanged. Without a tritonserver on PATH it runs the
 one bundled in nvidia-pytriton and adds the backend directory, library path and PATH that it needs
@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         if watchdog is not None:
             watchdog.start()
         else:
-            print(f"{_PREFIX} dead engine models are not reloaded: that needs --model-control-mode=explicit", flush=True)
+            print(f"{_PREFIX} dead engine models are not reloaded: a --model-control-mode given here leaves the models to you "
+                  "(leave it out, and disagg-serve runs each engine model in a server of its own and reloads it)", flush=True)
         if not args.no_openai:
             http_address = next((a.split("=", 1)[1] for a in passthrough if a.startswith("--http-address=")), None)
             front = OpenAIFront(servers.repository, main_server.grpc_url, host=http_address or main_server.address or "0.0.0.0",
