@@ -5,6 +5,10 @@
     build-engines --config X --dry-run                      # print the build commands, run nothing
     build-engines plan --config X                           # GPU placement table and checks
     build-engines manifests --config X [--out DIR]          # Kubernetes manifests only (spec with pools)
+
+The spec is checked against the model's config.json at model.path. Where the checkpoint is not on this machine (a
+GPU spec looked at from a laptop), `--model-config FILE` gives that config.json for --dry-run, plan and manifests,
+e.g. configs/models/Llama-3.1-8B-Instruct.json; a build reads the checkpoint itself.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ def _write_manifests(spec: DeploymentSpec, out: Path, log) -> None:
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, type=Path, help="deployment spec (YAML)")
+    p.add_argument("--model-config", type=Path, help="the model's config.json, where model.path has none on this machine")
     return p
 
 
@@ -55,7 +60,7 @@ def _plan(argv: list[str]) -> int:
     from disagg.placement.inventory import inventory
     from disagg.placement.plan import format_plan, make_plan
 
-    print(format_plan(make_plan(load_spec(args.config), inventory())))
+    print(format_plan(make_plan(load_spec(args.config, args.model_config), inventory())))
     return 0
 
 
@@ -63,7 +68,7 @@ def _manifests(argv: list[str]) -> int:
     parser = _parser("build-engines manifests")
     parser.add_argument("--out", type=Path, help="directory to write into (default: k8s/ beside the model repository)")
     args = parser.parse_args(argv)
-    spec = load_spec(args.config)
+    spec = load_spec(args.config, args.model_config)
     if spec.kubernetes is None:
         raise SpecError("kubernetes", "required: the spec has no kubernetes section (namespace, image, claims)")
     _write_manifests(spec, args.out or manifests_dir(spec), print)
@@ -85,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--engine-root", help="absolute path under which the serving host sees the engines "
                             "(e.g. a container mount); overrides output.engine_root")
         args = parser.parse_args(argv)
-        spec = load_spec(args.config)
+        if args.model_config is not None and not args.dry_run:
+            raise SpecError("--model-config", "for --dry-run, plan and manifests only: a build reads the checkpoint at model.path")
+        spec = load_spec(args.config, args.model_config)
         if args.engine_root is not None:
             spec = with_engine_root(spec, args.engine_root)
         missing = [r for r in args.only or [] if r not in spec.roles]

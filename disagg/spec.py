@@ -253,6 +253,9 @@ class ModelSpec:
     # Preprocessing runs the tokenizer's post-processor (BOS etc. as the checkpoint's tokenizer.json
     # defines), like upstream's preprocessing parameter of the same name; false: the prompt's tokens only.
     add_special_tokens: bool = True
+    # Not from the spec: a config.json given where the checkpoint is not at hand (`load_spec`'s model_config), whose
+    # shape the spec is checked and planned against.
+    config_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -647,9 +650,12 @@ def model_config_for(spec: DeploymentSpec) -> dict:
     """The model's config.json: read from the checkpoint, or from the preset it will be generated from."""
     from disagg.checkpoint import PRESETS
 
-    config_path = spec.model.path / "config.json"
+    config_path = spec.model.config_file or spec.model.path / "config.json"
     if config_path.is_file():
-        return json.loads(config_path.read_text())
+        try:
+            return json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise SpecError("--model-config" if spec.model.config_file else "model.path", f"{config_path} is not JSON: {exc}") from None
     if spec.model.generate_preset is None:
         raise SpecError("model.path", f"{spec.model.path} has no config.json and model.generate is not set")
     if spec.model.generate_preset not in PRESETS:
@@ -659,9 +665,9 @@ def model_config_for(spec: DeploymentSpec) -> dict:
     return PRESETS[spec.model.generate_preset].hf_config()
 
 
-def load_spec(path: str | Path, model_config: dict | None = None) -> DeploymentSpec:
-    """Reads, schema-checks and model-checks a spec file (against `model_config`, a config.json's content, where
-    given: a checkpoint not at hand). Raises SpecError on the first problem."""
+def load_spec(path: str | Path, model_config: Path | None = None) -> DeploymentSpec:
+    """Reads, schema-checks and model-checks a spec file (against `model_config`, a config.json, where given: a
+    checkpoint not at hand). Raises SpecError on the first problem."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -670,5 +676,9 @@ def load_spec(path: str | Path, model_config: dict | None = None) -> DeploymentS
     except OSError as exc:
         raise SpecError("", f"cannot read {path}: {exc.strerror}") from exc
     spec = parse_spec(raw, source=path)
-    check_against_model(spec, model_config or model_config_for(spec))
+    if model_config is not None:
+        if not model_config.is_file():
+            raise SpecError("--model-config", f"{model_config} is not a file")
+        spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, config_file=model_config))
+    check_against_model(spec, model_config_for(spec))
     return spec

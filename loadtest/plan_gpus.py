@@ -14,7 +14,6 @@ hardware per pool) is refused: plan each pool's hardware as a spec of its own.
 from __future__ import annotations
 
 import argparse
-import json
 
 from disagg.placement.inventory import inventory
 from disagg.placement.plan import DTYPE_BYTES
@@ -27,12 +26,11 @@ from disagg.spec import DeploymentSpec, SpecError, load_spec, model_config_for
 
 
 def load(a: argparse.Namespace) -> tuple[DeploymentSpec, dict]:
-    given = json.loads(a.model_config.read_text()) if a.model_config else None
-    spec = load_spec(a.config, given)
+    spec = load_spec(a.config, a.model_config)
     if spec.pools:
         raise SpecError("pools", "the roofline planner plans one kind of GPU for the spec's own devices; pools add replicas "
                         "and hardware classes: plan each pool's hardware as a spec of its own, with roles.<role>.node")
-    config = given or model_config_for(spec)
+    config = model_config_for(spec)
     for role in spec.roles.values():
         if role.pp > 1:
             raise SpecError(f"roles.{role.name}.pp", f"{role.pp}: the roofline planner models tensor parallelism only (pp: 1)")

@@ -18,7 +18,7 @@ from disagg.planner.plan import Traffic
 from disagg.planner.simulate import EngineLimits
 from disagg.spec import SpecError, load_spec
 from loadtest import plan_gpus
-from trtllm_helpers import LLAMA_3_1_8B, LLAMA_3_1_8B_PARAMS, ROOT
+from trtllm_helpers import LLAMA_3_1_8B, LLAMA_3_1_8B_CONFIG, LLAMA_3_1_8B_PARAMS, ROOT
 
 H200 = roofline.ACCELERATORS["H200"]
 MODEL = roofline.ModelShape.of(LLAMA_3_1_8B, 2)
@@ -88,7 +88,7 @@ def test_two_gpus_every_option_within_its_bound_best_first_and_the_spec_s_own_sp
     front = tmp_path / "front.json"
     front.write_text(json.dumps({"rows": FRONT_ROWS}))
     a = argparse.Namespace(config=yaml_spec(tmp_path, prefill_tp=1, decode_tp=1), gpu="H200",
-                           model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json", front=front)
+                           model_config=LLAMA_3_1_8B_CONFIG, front=front)
     assert plan_gpus.run(a, _traffic()) == 0
     out = capsys.readouterr().out
     assert "plan: two-gpus: 2 x H200 SXM, 16.1 GB of weights, KV handoff over NVLink" in out
@@ -123,7 +123,7 @@ def test_the_front_a_deployment_needs_names_each_model_short_of_instances_and_wh
     """48.8 req/s x 300 output tokens (the H200 spec's recommendation) = 14640 tokens/s."""
     front = tmp_path / "front.json"
     front.write_text(json.dumps({"rows": FRONT_ROWS}))
-    spec = load_spec(yaml_spec(tmp_path, prefill_tp=1, decode_tp=1), LLAMA_3_1_8B)
+    spec = load_spec(yaml_spec(tmp_path, prefill_tp=1, decode_tp=1), LLAMA_3_1_8B_CONFIG)
     traffic = Traffic(((1.0, 1000, 7000),), ((1.0, 100, 500),), 30.0, ttft_slo_s=1.0, tpot_slo_s=0.02)
     plan_gpus.print_front(spec, front, SimpleNamespace(goodput=48.8), traffic)
     out = capsys.readouterr().out
@@ -132,7 +132,7 @@ def test_the_front_a_deployment_needs_names_each_model_short_of_instances_and_wh
            "orchestrator.instances: 8" in out  # 7.32 cores of one model
     assert "plan:   postprocessing: one core at most per instance, needs at least 5, this spec gives it 1: short, and it runs one " \
            "instance: serve through tensorrt_llm_bls (orchestrator.bls: true)" in out  # 4.98 cores
-    h200 = load_spec(ROOT / "configs" / "h200x8-intra-node.yaml", LLAMA_3_1_8B)  # sized by later rows: 0.16 ms in the BLS's stub
+    h200 = load_spec(ROOT / "configs" / "h200x8-intra-node.yaml", LLAMA_3_1_8B_CONFIG)  # sized by later rows: 0.16 ms in the BLS's stub
     plan_gpus.print_front(h200, front, SimpleNamespace(goodput=48.8), traffic)
     lines = capsys.readouterr().out.splitlines()
     assert "through tensorrt_llm_bls at 0.60 ms of CPU per token (stub tensorrt_llm_bls 0.47, tritonserver 0.13;" in lines[0]
@@ -174,13 +174,13 @@ def test_the_front_cost_counts_the_front_s_models_and_what_tritonserver_spends_b
 
 def test_the_cli_refuses_pipeline_parallelism_pools_and_an_unknown_gpu(tmp_path):
     a = argparse.Namespace(config=yaml_spec(tmp_path, prefill_tp=1, decode_tp=1, decode_pp=2), gpu="H200",
-                           model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json", front=None)
+                           model_config=LLAMA_3_1_8B_CONFIG, front=None)
     with pytest.raises(SpecError, match=r"roles.decode.pp: 2: the roofline planner models tensor parallelism only"):
         plan_gpus.run(a, _traffic())
     with pytest.raises(SystemExit, match=r"--gpu: 'B300' has no datasheet figures here \(known: H200, H100, A100\)"):
         plan_gpus.accelerator("B300")
     pools = argparse.Namespace(config=ROOT / "configs" / "k8s-pools.yaml", gpu="H200",
-                               model_config=ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json", front=None)
+                               model_config=LLAMA_3_1_8B_CONFIG, front=None)
     with pytest.raises(SpecError, match=r"pools: the roofline planner plans one kind of GPU for the spec's own devices"):
         plan_gpus.run(pools, _traffic())
 

@@ -312,3 +312,38 @@ def test_build_engines_dry_run_passes_on_both_example_specs(tmp_path, capsys, na
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["python3", "trtllm-build"] * 2
     assert all("--use_paged_context_fmha enable" in line for line in lines if "decode" in line and line.startswith("trtllm-build"))
+
+
+def test_the_documented_dry_run_is_what_the_shipped_spec_prints(capsys, monkeypatch):
+    """docs/tensorrt-llm.md shows `build-engines --dry-run` of h200x8-intra-node: the lines printed from the spec as
+    shipped, with the 8B model's config.json given (`--model-config`) since no checkpoint is at /models here."""
+    import re
+
+    from disagg.cli import main
+    from trtllm_helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    assert main(["--config", "configs/h200x8-intra-node.yaml", "--dry-run",
+                 "--model-config", "configs/models/Llama-3.1-8B-Instruct.json"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    doc = (ROOT / "docs" / "tensorrt-llm.md").read_text()
+    documented = re.search(r"checks that this block is what it prints\):\n\n```\n(.*?)\n```", doc, re.S).group(1).splitlines()
+    assert printed == documented
+
+
+def test_a_model_config_given_is_for_looking_only(tmp_path, capsys):
+    """`--model-config` checks and plans a spec whose checkpoint is elsewhere; a build, which reads the checkpoint, refuses
+    it by name before any work."""
+    from disagg.cli import main
+    from trtllm_helpers import LLAMA_3_1_8B_CONFIG, ROOT
+
+    config = str(LLAMA_3_1_8B_CONFIG)
+    spec = str(ROOT / "configs" / "h200x8-intra-node.yaml")
+    assert main(["plan", "--config", spec, "--model-config", config]) == 0
+    assert "8,030,261,248 parameters from config.json" in capsys.readouterr().out
+    assert main(["--config", spec, "--model-config", config]) == 2
+    assert capsys.readouterr().err == ("error: --model-config: for --dry-run, plan and manifests only: a build reads the "
+                                       "checkpoint at model.path\n")
+    assert main(["--config", spec]) == 2  # no checkpoint at /models here
+    assert "model.path: /models/Llama-3.1-8B-Instruct has no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "build").exists()

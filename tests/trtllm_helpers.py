@@ -12,7 +12,8 @@ from disagg.spec import DeploymentSpec, check_against_model, parse_spec
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = ROOT / "tests" / "fixtures" / "topology"
 
-LLAMA_3_1_8B = json.loads((ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json").read_text())
+LLAMA_3_1_8B_CONFIG = ROOT / "configs" / "models" / "Llama-3.1-8B-Instruct.json"
+LLAMA_3_1_8B = json.loads(LLAMA_3_1_8B_CONFIG.read_text())
 LLAMA_3_1_8B_PARAMS = 8_030_261_248  # the published size of Llama-3.1-8B
 
 
