@@ -103,6 +103,8 @@ def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_w
         ("prefill + decode", 0, 1), ("front_floor", 0, 1), ("front_floor", 1, 1), ("prefill + decode", 1, 1),
         ("prefill + decode", 2, 1), ("front_floor", 2, 1)]
     assert all(19 < r.ttft_ms < 60 and r.errors == 0 for r in rounds), rounds  # one request each: its own prefill step
+    assert all(19 < r.idle_ttft_ms < 60 for r in rounds), rounds  # after the warm-up before it, measured apart
+    assert math.isnan(row.idle_ttft_ms)  # a level has no warm-up
     assert all(math.isnan(r.token_ms) for r in rounds if r.path == "front_floor")  # the first token, no more
     assert "front_floor vs prefill + decode, one request at a time, alternated (3 rounds): TTFT " in "\n".join(summary([row, *rounds], []))
     assert 35 < row.tokens_per_s < 52, row  # one token per 20 ms step and a little more, over the window it ran
@@ -173,7 +175,8 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
         "  without a front (prefill + decode, 64 streams) / the computing decode engine's best, 3 rounds: median 5.00x (4.17x to 5.00x; "
         "by round 5.00x, 4.17x, 5.00x), serving 2000 tokens/s (median); 3 of 3 rounds at 3x or more"]
     assert lines[start + 4:] == [
-        "  against the targets (one request at a time, the medians of the alternated rounds against prefill + decode: "
+        "  against the targets (one request at a time after one on the same path, the medians of the alternated rounds against "
+        "prefill + decode: "
         "TTFT added <= 1.5 ms, per token <= 0.1 ms; every ceiling round at 3x or more):",
         "    ensemble                    ceiling at 3x in 0 of 3 rounds (not met)",
         "    tensorrt_llm_bls            ceiling at 3x in 2 of 3 rounds (not met)",
@@ -195,6 +198,8 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
     assert summary(rows + clear, [])[-1] == "    tensorrt_llm_bls            TTFT +3.50 ms (not met); per token +0.000 ms (met)"
     floor = [Level("front_floor", 1, 0.0, ttft, 0.0, float("nan"), 1, 0, round=i) for i, ttft in ((0, 27.5), (1, 26.25))]
     lines = summary(rows + rounds + floor, [])
+    idle = [replace(r, idle_ttft_ms=r.ttft_ms + (2.0 if r.path == "tensorrt_llm_bls" else 0.5)) for r in rounds]
+    assert summary(rows + idle, [])[1].endswith("per token +0.050 ms (+0.025 to +0.075); after idling, TTFT +4.00 ms (+2.50 to +5.50)")
     assert lines[2:4] == ["  front_floor vs prefill + decode, one request at a time, alternated (2 rounds): TTFT +0.88 ms "
                           "(median within +0.25 to +1.50 at 95%; quartiles +0.56 to +1.19)",
                           "  tensorrt_llm_bls vs front_floor, one request at a time, alternated (2 rounds): TTFT +1.62 ms "

@@ -64,7 +64,7 @@ def plot(figure: FrontFigure, path: Path) -> Path | None:
         first_token.set_xticks(range(1, len(added) + 1), list(added), rotation=15, fontsize=7)
         first_token.axhline(figure.ttft_target_ms, color="black", linestyle="--", linewidth=1, label=f"target ({figure.ttft_target_ms:g} ms)")
         first_token.legend(fontsize=7)
-    first_token.set(title="TTFT added, one request at a time (alternated rounds)", ylabel="ms over the engines called directly")
+    first_token.set(title="TTFT added, one request right after one on its path (alternated rounds)", ylabel="ms over the engines called directly")
     for ax in (by_streams, by_round, first_token):
         ax.grid(alpha=0.3)
     fig.tight_layout()
