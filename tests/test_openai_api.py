@@ -315,3 +315,10 @@ def test_the_api_process_logs_no_errors(front):
     assert isinstance(front.log_path, Path)
     log = front.log_path.read_text()
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("field", ["max_completion_tokens", "max_tokens"])
+def test_a_chats_length_limit_is_refused_under_the_name_it_was_sent_by(client, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="ensemble", messages=CHAT, **{field: 5000})
+    assert err.value.body["message"] == f"{field}: 5000 is over the limit 319" and err.value.body["param"] == field

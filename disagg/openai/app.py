@@ -81,8 +81,10 @@ def _options(req: CompletionRequest | ChatCompletionRequest, prepared_max: int, 
     }
 
 
-def _prepare(deployment: Deployment, req, text: str, max_tokens: int | None, prompt_field: str) -> Generation:
-    """Checks `req` as preprocessing will, naming OpenAI's fields (`prompt_field`: where the text came from)."""
+def _prepare(deployment: Deployment, req, text: str, max_tokens: int | None, prompt_field: str,
+             limit_field: str = "max_tokens") -> Generation:
+    """Checks `req` as preprocessing will, naming OpenAI's fields (`prompt_field`: where the text came from,
+    `limit_field`: the field that gave `max_tokens`)."""
     req.check_unsupported()
     if req.model not in deployment.models:
         raise APIError(f"The model '{req.model}' does not exist (served: {', '.join(deployment.models)})",
@@ -100,9 +102,8 @@ def _prepare(deployment: Deployment, req, text: str, max_tokens: int | None, pro
         )
     except InputError as exc:
         field = str(exc).split(":", 1)[0]
-        if field == "text_input":
-            raise APIError(prompt_field + str(exc)[len(field):], param=prompt_field) from None
-        raise APIError(str(exc), param=field) from None
+        named = {"text_input": prompt_field, "max_tokens": limit_field}.get(field, field)
+        raise APIError(named + str(exc)[len(field):], param=named) from None
     options = _options(req, max_tokens, deployment.pre.tokenizer.get_vocab_size(with_added_tokens=True))
     stream_options = req.stream_options
     if stream_options is not None and not req.stream:
@@ -298,7 +299,8 @@ def create_app(deployment: Deployment, grpc_url: str, metrics_urls: dict[str, st
             raise APIError(str(exc), param="messages") from None
         except TemplateError as exc:
             raise APIError(f"messages: {exc}", param="messages") from None
-        gen = await asyncio.to_thread(_prepare, deployment, req, text, req.token_limit(), "messages")
+        limit_field, limit = req.token_limit()
+        gen = await asyncio.to_thread(_prepare, deployment, req, text, limit, "messages", limit_field)
         ident, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def base(choices: list, kind: str) -> dict:

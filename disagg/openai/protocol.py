@@ -132,9 +132,12 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict | None = None
     add_generation_prompt: bool = True  # vLLM's extension: the template's assistant header after the messages
 
-    def token_limit(self) -> int | None:
-        """max_completion_tokens, else the deprecated max_tokens, else None (as many as the engine allows)."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def token_limit(self) -> tuple[str, int | None]:
+        """The field that sets the answer's length and its value: max_completion_tokens, else the deprecated
+        max_tokens, else None (as many as the engine allows)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
