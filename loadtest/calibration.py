@@ -17,7 +17,7 @@ import numpy as np
 import yaml
 
 from disagg.cli import build
-from disagg.planner.plan import Planner, deployments
+from disagg.planner.plan import Planner, Traffic, deployments
 from disagg.planner.profile import StepModel
 from disagg.planner.simulate import Deployment, SimRequest
 from disagg.repository import role_models
@@ -106,7 +106,7 @@ def fitted_at_load(planner: Planner, spec: DeploymentSpec, workload_path: Path, 
         return planner
     decode_role = ROLES[kind][1]
     base = load_workload(workload_path)
-    rate = round(LOAD_SHARE * planner.goodput(deployment, base.traffic()), 2)
+    rate = round(LOAD_SHARE * planner.goodput(deployment, traffic_of(base)), 2)
     if rate < MIN_LOAD_RATE:
         print(f"plan: calibration, {deployment}: predicted to sustain under {MIN_LOAD_RATE:g} req/s within the SLOs; its decode "
               "work is not calibrated at load", flush=True)
@@ -308,6 +308,16 @@ def _bisected(simulated: Callable[[float], float], measured: float, lo: float, h
         else:
             hi, at_hi = mid, at_mid
     return hi, at_hi
+
+
+def traffic_of(workload: Workload, rate: float | None = None, prompt_tokens: int | None = None) -> Traffic:
+    """What the planner simulates of `workload`: its length distributions and SLOs, at `rate` (default its own,
+    else 1 req/s); with `prompt_tokens`, prompts of 90-100% of that many tokens instead of its own. Here rather
+    than on Workload: the load generator's workers read workloads and need none of the planner."""
+    prompt = ((1.0, int(prompt_tokens * 0.9), prompt_tokens),) if prompt_tokens else tuple(
+        (b.weight, b.min, b.max) for b in workload.prompt_tokens)
+    return Traffic(prompt, tuple((b.weight, b.min, b.max) for b in workload.output_tokens), rate or workload.rate or 1.0,
+                   workload.ttft_slo_ms / 1e3, workload.tpot_slo_ms / 1e3)
 
 
 def replayed(samples: list[Sample]) -> list[SimRequest]:

@@ -58,7 +58,7 @@ from disagg.planner.simulate import Deployment, EngineLimits, Host, Orchestrator
 from disagg.repository import role_models
 from disagg.spec import DeploymentSpec
 from loadtest import plan_gpus
-from loadtest.calibration import ROLES, calibrated, calibrated_each, deployment_of, replayed, splittable
+from loadtest.calibration import ROLES, calibrated, calibrated_each, deployment_of, replayed, splittable, traffic_of
 from loadtest.compare import THREAD_ENV, compare_spec
 from loadtest.samples import Sample, read_samples
 from loadtest.workload import Workload, load_workload, workload_file
@@ -200,7 +200,7 @@ def check(planner: Planner, workload: Workload, results: list[Path]) -> None:
             if "samples" not in point:
                 raise SystemExit(f"error: {path} names no samples per run (crossover records them since the planner "
                                  "replays them): run `python -m loadtest crossover` again")
-            traffic = workload.traffic(point["rate"], point["prompt_tokens"])
+            traffic = traffic_of(workload, point["rate"], point["prompt_tokens"])
             for name in ("aggregated", "disaggregated"):
                 measured = point[name]
                 deployment = Deployment(aggregated=2) if name == "aggregated" else Deployment(prefill=1, decode=1)
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if yaml.safe_load(a.config.read_text()).get("backend") == "tensorrt_llm":
         if a.instances or a.check:
             raise SystemExit("error: --instances and --check: a TensorRT-LLM spec is planned for its own GPUs, from the datasheet")
-        return plan_gpus.run(a, workload.traffic(a.rate))
+        return plan_gpus.run(a, traffic_of(workload, a.rate))
     if a.front:
         raise SystemExit("error: --front: for a TensorRT-LLM spec; on the CPU the planner measures the front itself")
     if a.instances is not None and a.instances < 2:
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         decode = ", ".join(f"{b}: {model.decode_s(b, 1024) * 1e3:.0f}" for b in model.decode.batches)
         print(f"plan: {role} steps: decode at 1k-token contexts, ms by batch {decode}; with prompt tokens {q.base_s * 1e3:.2f} ms + "
               f"{q.per_token_s * 1e6:.0f} us/token + {q.per_attended_s * 1e9:.2f} ns/attended token (fit within {model.fit_error:.0%})")
-    traffic = workload.traffic(a.rate)
+    traffic = traffic_of(workload, a.rate)
     calibrated_on = tuple(deployment_of(spec, kind) for kind in ROLES)
     planners = {d: planner for d in deployments(instances, "aggregated" in planner.steps)}
     if calibrating:

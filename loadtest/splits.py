@@ -58,7 +58,7 @@ from disagg.planner.simulate import Deployment
 from disagg.spec import DeploymentSpec
 from loadtest.compare import THREAD_ENV, check_fits, run_point
 from loadtest.crossover import length_variant
-from loadtest.calibration import ROLES, calibrated, deployment_dir, deployment_of, fitted_at_load, split_spec
+from loadtest.calibration import ROLES, calibrated, deployment_dir, deployment_of, fitted_at_load, split_spec, traffic_of
 from loadtest.plan import handoff, hosts, limits_of, orchestrators_of, predicted_run, profiles
 from loadtest.report import Slo, highest_met_rate, run_stats
 from loadtest.samples import read_samples
@@ -257,7 +257,7 @@ def run(a: argparse.Namespace) -> int:
     probe = None if a.stand_in else SpeedProbe(first.engine_dir("decode"))  # a stand-in's steps sleep: their speed holds
     planner = calibrated(planner, first, workload_path, out / "calibration")
     first_deployment = {kind: str(deployment_of(first, kind)) for kind in ROLES}
-    traffic = workload.traffic(None, a.prompt_tokens)
+    traffic = traffic_of(workload, None, a.prompt_tokens)
     deployments = [(Deployment(prefill=n, decode=a.instances - n), "disaggregated", spec) for n, spec in specs.items()]
     deployments.append((Deployment(aggregated=a.instances), "aggregated", first))
     predicted_goodput = {str(d): planner.goodput(d, traffic) for d, _, _ in deployments}

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from disagg.planner.plan import Traffic
 from disagg.text import encode_prompt
 
 WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
@@ -93,14 +92,6 @@ class Workload:
 
     def with_rate(self, rate: float | None) -> Workload:
         return replace(self, rate=rate)
-
-    def traffic(self, rate: float | None = None, prompt_tokens: int | None = None) -> Traffic:
-        """What the planner simulates of it: its length distributions and SLOs, at `rate` (default its own, else
-        1 req/s); with `prompt_tokens`, prompts of 90-100% of that many tokens instead of its own."""
-        prompt = ((1.0, int(prompt_tokens * 0.9), prompt_tokens),) if prompt_tokens else tuple(
-            (b.weight, b.min, b.max) for b in self.prompt_tokens)
-        return Traffic(prompt, tuple((b.weight, b.min, b.max) for b in self.output_tokens), rate or self.rate or 1.0,
-                       self.ttft_slo_ms / 1e3, self.tpot_slo_ms / 1e3)
 
     def arrivals(self) -> list[float]:
         """Open loop: planned send times (s after start) of requests 0..max_requests-1, Poisson at `rate`."""

@@ -18,7 +18,7 @@ from disagg.spec import load_spec
 from loadtest.compare import compare_spec
 from loadtest.calibration import (
     CALIBRATION_REQUESTS, LOAD_REQUESTS, ROLES, calibrated, calibrated_each, confirmed, decode_factor, deployment_of, fitted_at_load,
-    per_sequence_cost, replayed, split_spec,
+    per_sequence_cost, replayed, split_spec, traffic_of,
 )
 from loadtest.plan import check, front_s_per_token, limits_of, once_per_kind, predicted_run, profiles
 from loadtest.samples import Sample, read_samples
@@ -377,7 +377,7 @@ def test_a_request_that_did_not_finish_is_replayed_whole_and_left_out_of_the_lat
     limits = {"aggregated": EngineLimits(1, 64, True, 16)}  # one at a time: the second waits for the first
     planner = Planner({"aggregated": FLAT}, limits, lambda n: 0.0)
     assert [(r.arrival, r.output) for r in replayed([second, first])] == [(0.0, 40), (pytest.approx(0.001), 3)]
-    traffic = load_workload("quick").traffic(2.0, 16)
+    traffic = traffic_of(load_workload("quick"), 2.0, 16)
     p = predicted_run(planner, Deployment(aggregated=1), [second, first], traffic)
     assert p.ttft_p50_s == pytest.approx(0.041 - 0.001)  # after the first's 40 steps of 1 ms, then its own prompt
     assert predicted_run(planner, Deployment(aggregated=1), [first], traffic) is None
