@@ -322,3 +322,6 @@ def test_a_chats_length_limit_is_refused_under_the_name_it_was_sent_by(client, f
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="ensemble", messages=CHAT, **{field: 5000})
     assert err.value.body["message"] == f"{field}: 5000 is over the limit 319" and err.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="ensemble", messages=CHAT, extra_body={"min_tokens": 9}, **{field: 4})
+    assert err.value.body["message"] == f"min_tokens: 9 is over {field}=4" and err.value.body["param"] == "min_tokens"

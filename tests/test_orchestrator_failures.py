@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import itertools
 import threading
 import types
 
@@ -132,6 +133,7 @@ def test_an_unexpected_fault_still_ends_the_request_with_an_error_and_a_log(orch
     model.instance, model.mode, model.input_names = "disagg_orchestrator_0_0", "disaggregated", {}
     model.router = types.SimpleNamespace(pool_routing="least_loaded", service_class=lambda value: None)
     model._lock, model._count, model.in_flight, model.failures = threading.Lock(), 0, _Count(), _Count()
+    model._id_prefix, model._ids = "0" * 16, itertools.count()
     model.out, model.coalesce_backlog = orchestrator.ResponseThread(model.instance), 0
     model._cancel_flag = lambda request_id: orchestrator.cancel_board.NoFlag()
     released = []

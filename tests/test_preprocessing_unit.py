@@ -118,6 +118,23 @@ def test_inputs_for_what_the_engines_are_not_built_to_do_are_refused_by_name_unl
     assert accepted.input_ids.tolist() == prepare_request(pre, base).input_ids.tolist() and accepted.output_len == 8
 
 
+def test_the_field_an_error_names_does_not_depend_on_the_order_the_inputs_came_in(pre):
+    """Only the inputs sent are looked at, ranked as the checks run: refusals, then the one-value fields."""
+    bad = {"lora_task_id": np.array([[3]], dtype=np.uint64), "image_input": np.ones((1, 1, 3, 2, 2), dtype=np.float16),
+           "max_tokens": np.array([[8, 9]], dtype=np.int32), "text_input": np.array([[b"a", b"b"]], dtype=object)}
+    named = set()
+    for order in (list(bad), list(reversed(bad))):
+        with pytest.raises(InputError) as err:
+            prepare_request(pre, {name: bad[name] for name in order}, public_names=True)
+        named.add(str(err.value).split(":")[0])
+    first_refused = next(f for f in (*NOT_BUILT_TENSOR, *BLS_ONLY) if f in bad)
+    assert named == {first_refused}
+    scalars = {"max_tokens": bad["max_tokens"], "text_input": bad["text_input"]}
+    for order in (["max_tokens", "text_input"], ["text_input", "max_tokens"]):
+        with pytest.raises(InputError, match=r"^text_input: expected one value per request, got 2"):
+            prepare_request(pre, {name: scalars[name] for name in order}, public_names=True)
+
+
 def test_postprocessing_emits_only_new_text_and_whole_sequences_decode_fully(tiny_checkpoint):
     tokenizer = load_tokenizer(tiny_checkpoint)
     post = Postprocessor(Detokenizer.from_tokenizer(tokenizer))

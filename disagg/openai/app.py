@@ -103,7 +103,10 @@ def _prepare(deployment: Deployment, req, text: str, max_tokens: int | None, pro
     except InputError as exc:
         field = str(exc).split(":", 1)[0]
         named = {"text_input": prompt_field, "max_tokens": limit_field}.get(field, field)
-        raise APIError(named + str(exc)[len(field):], param=named) from None
+        message = named + str(exc)[len(field):]
+        if field == "min_tokens":  # "... is over max_tokens=N": the limit, under the name it was sent by
+            message = message.replace("max_tokens=", f"{limit_field}=")
+        raise APIError(message, param=named) from None
     options = _options(req, max_tokens, deployment.pre.tokenizer.get_vocab_size(with_added_tokens=True))
     stream_options = req.stream_options
     if stream_options is not None and not req.stream:

@@ -98,11 +98,12 @@ class Hop:
             away = isinstance(error, EngineGone) or MODEL_NOT_LOADED in error
             self.results_queue.put(HopError(f"{self.model}: {error}", engine_away=away))
         else:
-            ids, params = result.as_numpy("output_ids"), result.as_numpy("context_phase_params")
+            ids = result.as_numpy("output_ids")
+            tokens = [] if ids is None else ids.reshape(-1).tolist()
+            if tokens and self.on_first_token is not None:
+                self._first(tokens[0])  # before the handoff's params are read: a few hundred bytes, not the client's
+            params = result.as_numpy("context_phase_params")
             if ids is not None or params is not None:
-                tokens = [] if ids is None else ids.reshape(-1).tolist()
-                if tokens and self.on_first_token is not None:
-                    self._first(tokens[0])
                 self.results_queue.put((tokens, params))
         if final:
             self.results_queue.put(_DONE)

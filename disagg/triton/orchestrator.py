@@ -30,6 +30,7 @@ so the baseline pays the same front-end costs. What the client gets is disagg.tr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import threading
@@ -114,6 +115,9 @@ class TritonPythonModel:
         self.failures = self.metrics.counter("disagg_orchestrator_failures_total", "Requests ended by an error or timeout")
         self.cancels = self.metrics.counter("disagg_orchestrator_cancelled_total", "Requests cancelled by the client")
         self._count = 0
+        # Request ids: unique across instances and restarts by a random prefix, then counted (uuid4 per request
+        # cost a getrandom call on the way to the first hop)
+        self._id_prefix, self._ids = uuid.uuid4().hex[:16], itertools.count()
         self._handed = 0  # requests handed to the workers and not yet served: a worker is free while < max_in_flight
         self._lock = threading.Lock()
         local = os.environ.get(ENGINE_URL_ENV, DEFAULT_ENGINE_URL)
@@ -188,7 +192,7 @@ class TritonPythonModel:
     def _serve(self, arrays: dict[str, np.ndarray], sender, arrival: float) -> Iterator[object]:
         """Serves one request; yields SENT when a hop of it is on its way (never, when it ends before one), so
         that `_accept` can run it up to its first hop's send and a worker the rest."""
-        request_id = uuid.uuid4().hex
+        request_id = f"{self._id_prefix}{next(self._ids):016x}"
         flag = self._cancel_flag(request_id)
         streaming = arrays.pop("streaming", None)
         service_class = arrays.pop("service_class", None)

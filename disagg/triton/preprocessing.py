@@ -102,6 +102,7 @@ REFUSED = {
     "image_input": _MULTIMODAL, "image_bytes_input": _MULTIMODAL, "image_url_input": _MULTIMODAL, "video_bytes_input": _MULTIMODAL,
     "num_draft_tokens": _DRAFT, "use_draft_logits": _DRAFT,
 }
+_OPTIONS = frozenset((*ONLY_DEFAULT, *WORD_LISTS))  # Preprocessor.prepare's **options
 NOT_BUILT_TENSOR = {i.public: i.to for i in NOT_BUILT}
 BLS_ONLY = tuple(i.public for i in NOT_BUILT_BLS)
 IDS = ("lora_task_id", "prompt_table_extra_id")  # any value names something: task 0 is a task
@@ -243,7 +244,7 @@ class Preprocessor:
     ) -> Prepared:
         """Validates one request and tokenizes its prompt; raises InputError on the first bad field.
         `options`: the fields of ONLY_DEFAULT and WORD_LISTS that the request sent."""
-        unknown = set(options) - set(ONLY_DEFAULT) - set(WORD_LISTS)
+        unknown = options.keys() - _OPTIONS
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
         refuse_unsupported(options)
@@ -303,19 +304,28 @@ def _words(array: np.ndarray | None) -> list[bytes] | None:
     return None if array is None else [bytes(w) for w in array.reshape(-1)]
 
 
+# The fields prepare_request reads, ranked in the order of their checks (refusals, the one-value fields, the word
+# lists), and the public field of each of preprocessing's input tensors.
+_RANK = {field: i for i, field in enumerate((*NOT_BUILT_TENSOR, *BLS_ONLY, *TENSOR_OF, *WORD_LISTS))}
+_REFUSED_FIELDS = frozenset((*NOT_BUILT_TENSOR, *BLS_ONLY))
+_FIELD_OF_TENSOR = {tensor: field for field, tensor in {**NOT_BUILT_TENSOR, **TENSOR_OF, **WORD_LISTS}.items()}
+
+
 def prepare_request(pre: Preprocessor, arrays: dict[str, np.ndarray], public_names: bool = False) -> Prepared:
     """Validates and tokenizes one request given its inputs by name: preprocessing's tensor names, or the
-    public field names (`public_names`: tensorrt_llm_bls, which takes the ensemble's inputs itself)."""
-    def value(field: str, tensor: str):
-        return arrays.get(field if public_names else tensor)
-
-    for field, tensor in NOT_BUILT_TENSOR.items():
-        refuse_not_built(field, value(field, tensor))
-    for field in BLS_ONLY if public_names else ():
-        refuse_not_built(field, arrays.get(field))
-    scalars = {field: _one(value(field, tensor), field) for field, tensor in TENSOR_OF.items()}
-    words = {field: _words(value(field, tensor)) for field, tensor in WORD_LISTS.items()}
-    return pre.prepare(scalars.pop("text_input"), scalars.pop("max_tokens"), **scalars, **words)
+    public field names (`public_names`: tensorrt_llm_bls, which takes the ensemble's inputs itself). Only the
+    inputs sent are looked at (a request sends a few of some forty), in the order of the checks, so the field
+    an error names does not depend on the order they came in."""
+    named = arrays.items() if public_names else ((_FIELD_OF_TENSOR.get(tensor), array) for tensor, array in arrays.items())
+    scalars, words = {}, {}
+    for field, array in sorted(((f, a) for f, a in named if f in _RANK), key=lambda sent: _RANK[sent[0]]):
+        if field in _REFUSED_FIELDS:
+            refuse_not_built(field, array)
+        elif field in WORD_LISTS:
+            words[field] = _words(array)
+        else:
+            scalars[field] = _one(array, field)
+    return pre.prepare(scalars.pop("text_input", None), scalars.pop("max_tokens", None), **scalars, **words)
 
 
 def _scalar(value: int, dtype=np.int32) -> np.ndarray:
