@@ -479,6 +479,11 @@ def test_metrics_after_the_suite(server):
     assert metrics["disagg_kv_handoff_count_total"]["decode"] >= len(PROMPTS)
     assert metrics["disagg_kv_handoff_bytes_total"]["decode"] > 0
     assert metrics["disagg_ttft_seconds_count"]["orchestrator-disaggregated"] >= len(PROMPTS)
+    # every request's arrival -> its first engine request, a fraction of its TTFT
+    first_hops = metrics["disagg_first_hop_seconds_count"]["orchestrator-disaggregated"]
+    assert first_hops >= len(PROMPTS)
+    assert 0 < metrics["disagg_first_hop_seconds_sum"]["orchestrator-disaggregated"] / first_hops < (
+        metrics["disagg_ttft_seconds_sum"]["orchestrator-disaggregated"] / metrics["disagg_ttft_seconds_count"]["orchestrator-disaggregated"])
     assert metrics["disagg_requests_in_flight"] == {"prefill": 0, "decode": 0, "aggregated": 0}
     # Every handoff of the suite, cancelled ones included, was taken by a decode (or drained), none
     # waited for its lease: a `stop` cannot free a context-only request that has answered.

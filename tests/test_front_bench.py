@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -57,11 +58,19 @@ def test_time_per_token_counts_every_token_of_a_coalesced_response():
 
 
 @pytest.mark.e2e
-def test_the_front_bench_measures_every_path_without_errors(tmp_path):
+def test_the_front_bench_measures_every_path_without_errors(tmp_path, capsys):
     peaks = iter([{16: 100.0, 64: 200.0}, {16: 300.0, 64: 150.0}])  # the computing engine's turn in each ceiling round
     rows, ceilings = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (2,), 1.0, 16, ceiling_rounds=2,
-                             engine_peak=lambda: next(peaks), coalesced_bls=3)
+                             engine_peak=lambda: next(peaks), coalesced_bls=3, alternate=1)
+    rounds = [r for r in rows if r.round is not None]
+    rows = [r for r in rows if r.round is None]
     assert [r.path for r in rows] == [*PATHS, COALESCED]
+    assert sorted(r.path for r in rounds) == sorted([*PATHS, COALESCED, "front_floor"]) and all(r.completed == 1 for r in rounds)
+    # each front's model timed its requests of the round (the warm-up and the one measured) to their first engine request
+    printed = capsys.readouterr().out
+    for path in ("ensemble", "tensorrt_llm_bls", "aggregated", COALESCED):
+        p50, mean = map(float, re.search(rf"[:,] {path} p50 ([0-9.]+) ms \(mean ([0-9.]+), 2 requests\)", printed).groups())
+        assert 0 < p50 < 50 and 0 < mean < 50, printed
     # the coalescing BLS is the repository's own, its coalesce_backlog set
     config = parse_config(COALESCED, (tmp_path / "front/model_repository" / COALESCED / "config.pbtxt").read_text())
     assert config.parameters["coalesce_backlog"].string_value == "3" and config.parameters["mode"].string_value == "disaggregated"

@@ -32,6 +32,13 @@ class Request:
         return self.sender
 
 
+class Observed(list):
+    """A histogram that keeps what it observed, and on which thread."""
+
+    def observe(self, value: float) -> None:
+        self.append((value, threading.current_thread()))
+
+
 class Served:
     """A model whose `_serve` records on which thread each request got up to its first hop's send, and on
     which it went on after it."""
@@ -41,6 +48,7 @@ class Served:
         model.read_inputs = {"input_ids"}
         model._lock, model._handed, model.max_in_flight = threading.Lock(), busy, max_in_flight
         model.workers = ThreadPoolExecutor(max_workers=max_in_flight)
+        model.first_hop = Observed()
         self.model, self.sent_on, self.rest_on, self.done = model, [], [], threading.Event()
         self.arrays, self.senders = [], []
 
@@ -75,6 +83,8 @@ def test_execute_starts_requests_while_the_stubs_lock_is_held_and_a_worker_serve
     assert arrays["input_ids"].tolist() == [[5, 6, 7]] and arrays["service_class"].tolist() == [[b"batch"]]
     served.model.workers.shutdown()
     assert served.model._handed == 0, "the worker was not given back"
+    [(seconds, on)] = served.model.first_hop  # arrival -> the first hop's send, timed where it was sent
+    assert 0 < seconds < 2 and on is executed
 
 
 def test_with_every_worker_busy_a_request_starts_on_its_worker(orchestrator):
@@ -85,6 +95,8 @@ def test_with_every_worker_busy_a_request_starts_on_its_worker(orchestrator):
     assert served.sent_on == served.rest_on and served.sent_on[0] is not threading.current_thread()
     served.model.workers.shutdown()
     assert served.model._handed == 4
+    [(seconds, on)] = served.model.first_hop  # its wait for the worker included
+    assert 0 < seconds < 5 and on is served.sent_on[0]
 
 
 def test_a_fault_before_the_first_hop_gives_its_worker_back(orchestrator):
@@ -98,4 +110,4 @@ def test_a_fault_before_the_first_hop_gives_its_worker_back(orchestrator):
     with pytest.raises(KeyError):
         served.model.execute([Request(input_ids=np.asarray([[5]], dtype=np.int32))])
     served.model.workers.shutdown()
-    assert served.model._handed == 0
+    assert served.model._handed == 0 and served.model.first_hop == []  # no hop sent: nothing timed

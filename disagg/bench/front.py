@@ -41,7 +41,9 @@ other paths run, a path's Python models sit idle for seconds, and the first requ
 waking them (front_floor's TTFT added was +1.0 to +1.6 ms so, +0.4 to +0.7 right after a request;
 docs/measurements.md), which the engines, serving every path, never do. That warm-up's TTFT is printed beside
 ("after idling"). front_floor's rounds say how much of tensorrt_llm_bls's added TTFT any Python model and engine hop would
-add here, and how much is its own. The summary ends with each text front against the front's targets (TTFT added
+add here, and how much is its own; so does each front model's `disagg_first_hop_seconds` over those rounds (a
+request's arrival in it -> its first engine request sent: validating, tokenizing, routing, the send), printed
+after them. The summary ends with each text front against the front's targets (TTFT added
 <= 1.5 ms and time per token <= 0.1 ms at one stream, from the alternated rounds; 3x the engine's peak in every
 ceiling round), a line each, and the bounds this machine sets them: front_floor's TTFT and the engines called
 directly in the ceiling rounds.
@@ -55,6 +57,7 @@ machine's cores with the server: at high concurrency it is part of what is measu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import threading
@@ -73,6 +76,7 @@ from disagg.bench.front_plot import FrontFigure, plot
 from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
 from disagg.planner.front_cost import shares
+from disagg.serve.metrics import Histogram, histograms, scrape
 from disagg.triton.credential import PARAMETER
 from tools.stream_client import build_inputs, end_stream
 
@@ -87,6 +91,10 @@ CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside
 FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts that stream through both engines
 CEILING_PATHS = (*FRONTS, COALESCED, DIRECT)  # those of a run's paths timed in each ceiling round
 ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
+FIRST_HOP = "disagg_first_hop_seconds"  # an orchestrator's time from a request's arrival to its first engine request
+# The model of each path whose stub times that (the ensembles' orchestrators, the BLS models).
+FIRST_HOP_MODEL = {"ensemble": "disagg_orchestrator", "tensorrt_llm_bls": "tensorrt_llm_bls", "aggregated": "aggregated_orchestrator",
+                   COALESCED: COALESCED}
 CEILING_TARGET = 3.0  # a front's ceiling should be this many times the engine's peak: each front's rounds are counted against it
 TTFT_TARGET_MS = 1.5  # the most TTFT a front should add to the engines called directly, one request at a time
 TOKEN_TARGET_MS = 0.1  # the most time per token it should add, one request at a time
@@ -433,14 +441,36 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                 print(f"  ceiling round {i + 1}/{ceiling_rounds}: the {ENGINE} {max(c.engine.values()):.0f} tokens/s, "
                       + ", ".join(f"{front} {level.tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front, level in c.fronts.items()),
                       flush=True)
+            before = histograms(scrape(server.metrics_url), FIRST_HOP)
             for i in tqdm(range(alternate), desc="alternated rounds", unit="round", disable=None, leave=False):
                 for path in rotated(rounds, i):
                     rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1, warm=1), round=i))
+            if alternate:
+                time.sleep(0.2)  # an orchestrator's metric updates go out 50 ms after they are queued (metrics.Updater)
+                line = first_hops(before, histograms(scrape(server.metrics_url), FIRST_HOP), paths)
+                if line:
+                    print(line, flush=True)
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}; the server's log ({server.log_path}):\n{server.log_excerpt(5)}") from exc
         finally:
             driver.close()
     return rows, ceilings
+
+
+def first_hops(before: dict[str, Histogram], after: dict[str, Histogram], paths: tuple[str, ...]) -> str | None:
+    """Each front's own share of its TTFT over the alternated rounds, as its stub timed it: a request's arrival
+    in its model -> its first engine request sent (`FIRST_HOP`, by instance), warm-ups included."""
+    parts = []
+    for path in paths:
+        model = FIRST_HOP_MODEL.get(path)
+        seen = [h.since(before.get(instance)) for instance, h in after.items() if instance.rsplit("_", 2)[0] == model]
+        if seen and (timed := functools.reduce(Histogram.plus, seen)).count:
+            parts.append(f"{path} p50 {timed.quantile(0.5) * 1e3:.2f} ms (mean {timed.sum / timed.count * 1e3:.2f}, "
+                         f"{timed.count:.0f} requests)")
+    if not parts:
+        return None
+    return ("  a request's arrival in the front's model -> its first engine request sent, the alternated rounds' requests as "
+            f"the model timed them ({FIRST_HOP}; p50 from its buckets): " + ", ".join(parts))
 
 
 def rotated(items: tuple[str, ...], i: int) -> tuple[str, ...]:

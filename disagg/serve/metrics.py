@@ -1,8 +1,10 @@
 """Reading Triton's Prometheus endpoint back: the disagg_* series summed per role."""
 from __future__ import annotations
 
+import math
 import urllib.request
 from collections import defaultdict
+from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,6 +22,58 @@ def by_role(text: str, prefix: str = "disagg_") -> dict[str, dict[str, float]]:
             if sample.name.startswith(prefix) and "le" not in sample.labels:
                 out[sample.name][sample.labels.get("role", "")] += sample.value
     return {name: dict(roles) for name, roles in out.items()}
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One histogram series: cumulative counts by upper bound (`le`, the last +Inf), its sum and count."""
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+    count: float
+
+    def since(self, before: Histogram | None) -> Histogram:
+        """What was observed after `before` (an earlier reading of the same series; None: nothing then)."""
+        if before is None:
+            return self
+        return Histogram(tuple((le, n - m) for (le, n), (_, m) in zip(self.buckets, before.buckets)),
+                         self.sum - before.sum, self.count - before.count)
+
+    def plus(self, other: Histogram) -> Histogram:
+        """Both series' observations (of one family: the same bounds)."""
+        return Histogram(tuple((le, n + m) for (le, n), (_, m) in zip(self.buckets, other.buckets)),
+                         self.sum + other.sum, self.count + other.count)
+
+    def quantile(self, q: float) -> float:
+        """As Prometheus's histogram_quantile: linear within the bucket that holds the q-th observation
+        (nan without observations; the highest finite bound when it falls in +Inf)."""
+        if self.count <= 0:
+            return math.nan
+        rank, lower, below = q * self.count, 0.0, 0.0
+        for le, cumulative in self.buckets:
+            if cumulative >= rank:
+                if math.isinf(le):
+                    return lower
+                return lower + (le - lower) * (rank - below) / max(cumulative - below, 1e-12)
+            lower, below = le, cumulative
+        return lower
+
+
+def histograms(text: str, name: str, label: str = "instance") -> dict[str, Histogram]:
+    """{value of `label`: its series} of histogram family `name` in a Prometheus exposition."""
+    parts: dict[str, dict] = defaultdict(lambda: {"buckets": [], "sum": 0.0, "count": 0.0})
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            series = parts[sample.labels.get(label, "")]
+            if sample.name == f"{name}_bucket":
+                series["buckets"].append((float(sample.labels["le"]), sample.value))
+            elif sample.name == f"{name}_sum":
+                series["sum"] = sample.value
+            elif sample.name == f"{name}_count":
+                series["count"] = sample.value
+    return {key: Histogram(tuple(sorted(p["buckets"])), p["sum"], p["count"]) for key, p in parts.items()}
 
 
 def merge(texts: dict[str, str]) -> str:

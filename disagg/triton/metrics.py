@@ -5,6 +5,7 @@ Every series carries `role` and `instance` labels, so a user sees which side is 
     disagg_requests_in_flight / disagg_queue_depth        gauges (queue depth = waiting for KV blocks or a batch slot)
     disagg_kv_handoff_bytes_total / _seconds_total / _count_total / _reclaimed_total   counters
     disagg_ttft_seconds                                   histogram, as the orchestrator sees it
+    disagg_first_hop_seconds                              histogram: a request's arrival -> its first engine request sent
     disagg_engine_restarts                                gauge: reloads after an instance died (watchdog), restarts of its server
 The families are kept on the object: a Metric dies with its MetricFamily. A model releases them in its
 finalize (`release`): a Metric still held when the stub shuts down is destroyed after the backend's shared
@@ -97,6 +98,9 @@ class _Metric:
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 TPOT_BUCKETS = [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
+# Validating, tokenizing and routing a short prompt take a few tenths of a millisecond; a long prompt's tokenizing,
+# or waiting for a worker with `max_in_flight` requests in flight, up to seconds.
+FIRST_HOP_BUCKETS = [0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0008, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0]
 
 
 class Metrics:

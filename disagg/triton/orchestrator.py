@@ -51,7 +51,7 @@ from disagg.triton.contract import (
     rename_inputs,
 )
 from disagg.triton.hop import Cancelled, Engine, Hop, HopError
-from disagg.triton.metrics import STUB_LOCK, TTFT_BUCKETS, Metrics, Updater
+from disagg.triton.metrics import FIRST_HOP_BUCKETS, STUB_LOCK, TTFT_BUCKETS, Metrics, Updater
 from disagg.triton.paths import model_param, repository_root
 from disagg.triton.response_thread import ResponseThread
 from disagg.triton.routing import Router
@@ -111,6 +111,9 @@ class TritonPythonModel:
         self.closer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hop-close")
         self.metrics = Metrics(f"orchestrator-{self.mode}", self.instance, Updater())
         self.ttft = self.metrics.histogram("disagg_ttft_seconds", "Request arrival at the orchestrator -> first token sent", TTFT_BUCKETS)
+        self.first_hop = self.metrics.histogram(
+            "disagg_first_hop_seconds", "Request arrival at the orchestrator -> its first engine request sent (validating, "
+            "tokenizing, routing, waiting for a worker)", FIRST_HOP_BUCKETS)
         self.in_flight = self.metrics.gauge("disagg_orchestrator_in_flight", "Requests the orchestrator is serving")
         self.failures = self.metrics.counter("disagg_orchestrator_failures_total", "Requests ended by an error or timeout")
         self.cancels = self.metrics.counter("disagg_orchestrator_cancelled_total", "Requests cancelled by the client")
@@ -150,19 +153,27 @@ class TritonPythonModel:
                 named = json.loads(request.parameters() or "{}").get("service_class")
                 if named is not None:
                     arrays["service_class"] = np.asarray([[str(named).encode()]], dtype=object)
-            serving = self._serve(arrays, request.get_response_sender(), time.monotonic())
+            arrival = time.monotonic()
+            serving = self._serve(arrays, request.get_response_sender(), arrival)
             with self._lock:
                 worker_free = self._handed < self.max_in_flight
                 self._handed += 1
             try:
                 if worker_free:
-                    next(serving, None)
+                    self._first_hop(serving, arrival)
             finally:
-                self.workers.submit(self._run_out, serving)
+                self.workers.submit(self._run_out, serving, None if worker_free else arrival)
 
-    def _run_out(self, serving: Iterator[object]) -> None:
-        """A request's worker: serves what `_accept` left of it."""
+    def _first_hop(self, serving: Iterator[object], arrival: float) -> None:
+        """Runs a request up to its first hop's send, which the metric times from its arrival."""
+        if next(serving, None) is SENT:
+            self.first_hop.observe(time.monotonic() - arrival)
+
+    def _run_out(self, serving: Iterator[object], arrival: float | None) -> None:
+        """A request's worker: serves what `_accept` left of it (all of it, with its `arrival`)."""
         try:
+            if arrival is not None:
+                self._first_hop(serving, arrival)
             for _ in serving:
                 pass
         finally:
