@@ -441,12 +441,14 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                 print(f"  ceiling round {i + 1}/{ceiling_rounds}: the {ENGINE} {max(c.engine.values()):.0f} tokens/s, "
                       + ", ".join(f"{front} {level.tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front, level in c.fronts.items()),
                       flush=True)
-            before = histograms(scrape(server.metrics_url), FIRST_HOP)
+            if alternate:  # what the fronts timed so far, once it is out: updates go 50 ms after they are queued (metrics.Updater)
+                time.sleep(0.2)
+                before = histograms(scrape(server.metrics_url), FIRST_HOP)
             for i in tqdm(range(alternate), desc="alternated rounds", unit="round", disable=None, leave=False):
                 for path in rotated(rounds, i):
                     rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1, warm=1), round=i))
             if alternate:
-                time.sleep(0.2)  # an orchestrator's metric updates go out 50 ms after they are queued (metrics.Updater)
+                time.sleep(0.2)
                 line = first_hops(before, histograms(scrape(server.metrics_url), FIRST_HOP), paths)
                 if line:
                     print(line, flush=True)
