@@ -441,15 +441,12 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                 print(f"  ceiling round {i + 1}/{ceiling_rounds}: the {ENGINE} {max(c.engine.values()):.0f} tokens/s, "
                       + ", ".join(f"{front} {level.tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front, level in c.fronts.items()),
                       flush=True)
-            if alternate:  # what the fronts timed so far, once it is out: updates go 50 ms after they are queued (metrics.Updater)
-                time.sleep(0.2)
-                before = histograms(scrape(server.metrics_url), FIRST_HOP)
-            for i in tqdm(range(alternate), desc="alternated rounds", unit="round", disable=None, leave=False):
-                for path in rotated(rounds, i):
-                    rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1, warm=1), round=i))
             if alternate:
-                time.sleep(0.2)
-                line = first_hops(before, histograms(scrape(server.metrics_url), FIRST_HOP), paths)
+                before = first_hop_reading(server.metrics_url)
+                for i in tqdm(range(alternate), desc="alternated rounds", unit="round", disable=None, leave=False):
+                    for path in rotated(rounds, i):
+                        rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1, warm=1), round=i))
+                line = first_hops(before, first_hop_reading(server.metrics_url), paths)
                 if line:
                     print(line, flush=True)
         except RuntimeError as exc:
@@ -457,6 +454,13 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
         finally:
             driver.close()
     return rows, ceilings
+
+
+def first_hop_reading(metrics_url: str) -> dict[str, Histogram]:
+    """The fronts' FIRST_HOP series as the server shows them once what they timed is out: an orchestrator's
+    metric updates go 50 ms after they are queued (disagg.triton.metrics.Updater)."""
+    time.sleep(0.2)
+    return histograms(scrape(metrics_url), FIRST_HOP)
 
 
 def first_hops(before: dict[str, Histogram], after: dict[str, Histogram], paths: tuple[str, ...]) -> str | None:

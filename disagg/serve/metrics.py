@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import math
+import operator
 import urllib.request
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,15 +36,16 @@ class Histogram:
 
     def since(self, before: Histogram | None) -> Histogram:
         """What was observed after `before` (an earlier reading of the same series; None: nothing then)."""
-        if before is None:
-            return self
-        return Histogram(tuple((le, n - m) for (le, n), (_, m) in zip(self.buckets, before.buckets)),
-                         self.sum - before.sum, self.count - before.count)
+        return self if before is None else self._each(before, operator.sub)
 
     def plus(self, other: Histogram) -> Histogram:
         """Both series' observations (of one family: the same bounds)."""
-        return Histogram(tuple((le, n + m) for (le, n), (_, m) in zip(self.buckets, other.buckets)),
-                         self.sum + other.sum, self.count + other.count)
+        return self._each(other, operator.add)
+
+    def _each(self, other: Histogram, op: Callable[[float, float], float]) -> Histogram:
+        """`op` of the two series, bucket by bucket, sum and count."""
+        return Histogram(tuple((le, op(n, m)) for (le, n), (_, m) in zip(self.buckets, other.buckets)),
+                         op(self.sum, other.sum), op(self.count, other.count))
 
     def quantile(self, q: float) -> float:
         """As Prometheus's histogram_quantile: linear within the bucket that holds the q-th observation
