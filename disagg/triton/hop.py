@@ -73,20 +73,28 @@ class Hop:
     them dies, the hop fails at the next check, naming it, instead of waiting out its timeout: Triton
     never answers a request whose stub was killed.
 
-    `on_first_token`: called with the hop's first token on the stream's reader thread, before the caller
-    gets it: the context phase's token goes to the client without waiting for the request's worker to wake
-    (0.16-0.19 ms at one stream, more when the workers queue for the GIL). Never once the caller has left
-    the hop (`leave`), whose answer may then be out."""
+    Tokens can be handed on from the stream's reader thread, without waiting for the request's worker to wake
+    (0.16-0.19 ms at one stream, more when the workers queue for the GIL), and never once the caller has left
+    the hop (`leave`), whose answer may then be out:
+    - `on_first_token`: called once, with a list holding the hop's first token, before the caller gets every
+      token (the context phase's token goes to the client while the worker reads the handoff's params);
+    - `on_tokens`: called with each response's tokens, which the caller then never gets: it waits only for the
+      end, an error or a timeout. At 256 streams a token's hand-over to its worker cost 10% of
+      tensorrt_llm_bls's tokens/s (docs/measurements.md)."""
 
     def __init__(self, stream: EngineStreams, engine: Engine, inputs: dict[str, np.ndarray], request_id: str,
                  request_type: str, key: str, liveness: load_board.Liveness, pids: dict[int, str] | None = None,
-                 own_stream: bool = False, on_first_token: Callable[[int], None] | None = None):
+                 own_stream: bool = False, on_first_token: Callable[[list[int]], None] | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None):
+        if on_first_token is not None and on_tokens is not None:
+            raise ValueError("a hop hands on its first token or every token, not both")
         self.model, self.request_id = engine.name, request_id
         self.liveness, self.pids = liveness, pids or {}
         self.results_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.stream, self.own_stream = stream, own_stream
-        self.on_first_token = on_first_token
-        self._first_lock = threading.Lock()  # held while on_first_token runs, so `leave` waits it out
+        self._hand, self._hand_all = on_tokens or on_first_token, on_tokens is not None
+        self._hand_lock = threading.Lock()  # held while a handler runs, so `leave` waits it out
+        self.last_response = time.monotonic()  # the hop's deadline counts from it, tokens handed on or not
         request = EngineRequest(engine.model, request_id, inputs, {"request_type": request_type, credential.PARAMETER: key})
         try:
             stream.send(request, self._on_response)
@@ -94,34 +102,41 @@ class Hop:
             raise HopError(f"{engine.name}: {exc}", engine_away=True) from None
 
     def _on_response(self, result, error: str | None, final: bool) -> None:
+        self.last_response = time.monotonic()
         if error is not None:  # the server went away (EngineGone), or it or its engine refused
             away = isinstance(error, EngineGone) or MODEL_NOT_LOADED in error
             self.results_queue.put(HopError(f"{self.model}: {error}", engine_away=away))
         else:
             ids = result.as_numpy("output_ids")
             tokens = [] if ids is None else ids.reshape(-1).tolist()
-            if tokens and self.on_first_token is not None:
-                self._first(tokens[0])  # before the handoff's params are read: a few hundred bytes, not the client's
+            # before the handoff's params are read: a few hundred bytes, not the client's
+            if tokens and self._hand_on(tokens) and self._hand_all:
+                ids, tokens = None, []
             params = result.as_numpy("context_phase_params")
             if ids is not None or params is not None:
                 self.results_queue.put((tokens, params))
         if final:
             self.results_queue.put(_DONE)
 
-    def _first(self, token: int) -> None:
-        with self._first_lock:
-            on_first_token, self.on_first_token = self.on_first_token, None
-            if on_first_token is None:
-                return
+    def _hand_on(self, tokens: list[int]) -> bool:
+        """Gives the hop's handler its tokens (the first only, once, for `on_first_token`); False when it has
+        none (any more)."""
+        with self._hand_lock:
+            hand = self._hand
+            if hand is None:
+                return False
+            if not self._hand_all:
+                self._hand, tokens = None, tokens[:1]
             try:
-                on_first_token(token)
+                hand(tokens)
             except Exception as exc:  # noqa: BLE001 - raised in the caller, as its own fault, not in the stream's reader
                 self.results_queue.put(exc)
+            return True
 
     def leave(self) -> None:
-        """The caller is done with the hop's responses: `on_first_token` is not called after this returns."""
-        with self._first_lock:
-            self.on_first_token = None
+        """The caller is done with the hop's responses: no token is handed on after this returns."""
+        with self._hand_lock:
+            self._hand = None
 
     def close(self) -> None:
         """Stops listening: after the final response, or when the engine will not give one."""
@@ -144,11 +159,11 @@ class Hop:
         self.close()
 
     def results(self, timeout_s: float, cancelled, coalesce_backlog: int = 0):
-        """Yields (output_ids, context_phase_params) per non-empty response; checks cancellation every 50 ms.
+        """Yields (output_ids, context_phase_params) per non-empty response (with `on_tokens`, only those with
+        params); checks cancellation every 50 ms; fails once no response came for `timeout_s`.
         With `coalesce_backlog`, once that many responses wait behind the caller, all waiting ones are yielded
         together (their tokens in order, the last params): a consumer that has fallen behind gets fewer,
         fuller responses instead of falling further behind, while one that keeps up gets them one by one."""
-        deadline = time.monotonic() + timeout_s
         check = cancel_board.Throttle(CANCEL_CHECK_S, due_now=False)
         held = None  # the end or an error found while coalescing: handled after the tokens before it
         while True:
@@ -171,14 +186,13 @@ class Hop:
                 if dead:
                     raise HopError(f"{self.model}: engine instance {', '.join(dead)} died while serving this request", engine_away=True)
             if item is None:
-                if now > deadline:
+                if now > self.last_response + timeout_s:
                     raise HopError(f"{self.model}: no response within {timeout_s:g} s")
                 continue
             if item is _DONE:
                 return
             if isinstance(item, Exception):
                 raise item
-            deadline = now + timeout_s
             yield item
 
     def _coalesce(self, first: tuple[list[int], np.ndarray | None]):

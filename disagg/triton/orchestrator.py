@@ -6,10 +6,10 @@ upstream BLS blocks on one request at a time and throws the context phase's toke
 - serves each request on its own worker thread, up to `max_in_flight`, `execute` having sent its
   first hop while a worker is free (`_accept`), its responses sent at once while the stub is free, else
   queued for one thread that sends them in turn (disagg.triton.response_thread);
-- streams the context phase's first token the moment prefill returns it (TTFT = prefill), from the
-  stream's reader thread without waiting for the request's worker to wake (`Hop`), and drops
-  the copy of it that every generation-only response stream starts with (TensorRT-LLM re-adds it), so
-  the client sees each token once;
+- streams the context phase's first token the moment prefill returns it (TTFT = prefill), and each decode
+  token as it comes, from the engine stream's reader thread without waiting for the request's worker to
+  wake (`Hop`), and drops the copy of the first token that every generation-only response stream starts
+  with (TensorRT-LLM re-adds it), so the client sees each token once;
 - knows that a context-only request the context phase already ends has no `context_phase_params`, so
   the tensorrtllm backend answers it with an error: a one-token request goes to prefill whole
   (context_and_generation), and one whose first token is end_id is asked again that way;
@@ -283,8 +283,8 @@ class TritonPythonModel:
                 yield from self._context_and_generation(prefill, inputs, request_id, client, cancelled, arrival)
                 return
 
-            def first_out(token: int) -> None:  # on the prefill stream's reader thread
-                client.emit([token])
+            def first_out(first: list[int]) -> None:  # on the prefill stream's reader thread
+                client.emit(first)
                 self.ttft.observe(time.monotonic() - arrival)
 
             try:
@@ -316,20 +316,25 @@ class TritonPythonModel:
                 decode, at_decode = self.router.pick_for(self.decoders, klass, ("decode",))
         decode = decode or self.router.pick_decode()
         reached.engines.append(decode)
-        first_at, tokens = None, 0
+        # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds it; the
+        # reference engine does the same): the client already has it.
+        first_at, tokens, skip = None, 0, 1
+
+        def take(ids: list[int]) -> None:
+            nonlocal first_at, tokens, skip
+            reached.handoff = None  # decode answers once it has the KV
+            new, skip = ids[skip:], max(0, skip - len(ids))
+            client.emit(new)
+            if new:
+                first_at = first_at or time.monotonic()
+                tokens += len(new)
+                self.router.probe_tpot(decode, at_decode, first_at, tokens - len(new), tokens)
+
         try:
-            with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only") as hop:
-                # A generation-only request returns the context phase's token again (TensorRT-LLM re-adds
-                # it; the reference engine does the same): the client already has it.
-                skip = 1
+            with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only",
+                           on_tokens=self._on_reader(take)) as hop:
                 for ids, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
-                    reached.handoff = None  # decode answers once it has the KV
-                    client.emit(ids[skip:])
-                    if ids[skip:]:
-                        first_at = first_at or time.monotonic()
-                        tokens += len(ids[skip:])
-                        self.router.probe_tpot(decode, at_decode, first_at, tokens - len(ids[skip:]), tokens)
-                    skip = max(0, skip - len(ids))
+                    take(ids)
             self.router.probe_tpot(decode, at_decode, first_at, tokens, tokens, ended=True)
         finally:
             self.router.done(decode)
@@ -340,18 +345,29 @@ class TritonPythonModel:
         With `measured_at` (the requests in flight there when it was routed by class) its TTFT and TPOT
         are what the engine's pool is measured by."""
         started, first_at, count = time.monotonic(), None, 0
-        with self._hop(engine, inputs, request_id, "context_and_generation") as hop:
+
+        def take(tokens: list[int]) -> None:
+            nonlocal first_at, count
+            if first_at is None and tokens:
+                first_at = time.monotonic()
+                self.ttft.observe(first_at - arrival)
+                if measured_at is not None:
+                    self.router.observe("prefill", engine, measured_at, first_at - started)
+            client.emit(tokens)
+            count += len(tokens)
+            self.router.probe_tpot(engine, measured_at, first_at, count - len(tokens), count)
+
+        with self._hop(engine, inputs, request_id, "context_and_generation", on_tokens=self._on_reader(take)) as hop:
             yield SENT
             for tokens, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
-                if first_at is None and tokens:
-                    first_at = time.monotonic()
-                    self.ttft.observe(first_at - arrival)
-                    if measured_at is not None:
-                        self.router.observe("prefill", engine, measured_at, first_at - started)
-                client.emit(tokens)
-                count += len(tokens)
-                self.router.probe_tpot(engine, measured_at, first_at, count - len(tokens), count)
+                take(tokens)
         self.router.probe_tpot(engine, measured_at, first_at, count, count, ended=True)
+
+    def _on_reader(self, take: Callable[[list[int]], None]) -> Callable[[list[int]], None] | None:
+        """Where a hop's tokens go to the client from: the engine stream's reader thread (`take` as the hop's
+        `on_tokens`), or, with `coalesce_backlog`, the request's worker (None). A coalescing client stream waits
+        for each response to be sent before the next, which would hold up the reader and every request on it."""
+        return None if self.coalesce_backlog else take
 
     def _release(self, request_id: str, inputs: dict[str, np.ndarray], reached: Reached) -> None:
         """Frees what an ended request holds: `stop` where it went, and a handoff nobody took is drained."""
@@ -399,11 +415,12 @@ class TritonPythonModel:
 
     @contextlib.contextmanager
     def _hop(self, engine: Engine, inputs: dict[str, np.ndarray], request_id: str, request_type: str, own_stream: bool = False,
-             on_first_token: Callable[[int], None] | None = None):
+             on_first_token: Callable[[list[int]], None] | None = None, on_tokens: Callable[[list[int]], None] | None = None):
         pids = {} if engine.replica else self.router.check_live([engine.model])
         server = self.router.server(engine.url)
         stream = server.open() if own_stream else server.shared(engine.model)
-        hop = Hop(stream, engine, inputs, request_id, request_type, self.internal_key, self.liveness, pids, own_stream, on_first_token)
+        hop = Hop(stream, engine, inputs, request_id, request_type, self.internal_key, self.liveness, pids, own_stream,
+                  on_first_token, on_tokens)
         try:
             yield hop
         except BaseException:

@@ -3,9 +3,9 @@
 Calls into Triton 2.51's stub are serialised (STUB_LOCK, disagg.triton.metrics). With each request's worker
 sending its own responses, 64 streams were 64 threads queueing for that lock, each hand-over a thread
 wake-up: a py-spy profile of tensorrt_llm_bls at 64 streams found 15% of its GIL time on the line that takes
-the lock to send. Here a response goes out at once, on its worker, when the lock is free and its stream has
-none queued (one stream: no hand-over to another thread, which cost its first token a thread wake-up);
-otherwise it is queued, and one thread sends all those waiting under one hold of the lock. A stream's
+the lock to send. Here a response goes out at once, on the thread that gives it (an engine stream's reader,
+a request's worker), when the lock is free and its stream has none queued (one stream: no hand-over to
+another thread, which cost its first token a thread wake-up); otherwise it is queued, and one thread sends all those waiting under one hold of the lock. A stream's
 responses keep their order: one queued behind another of its stream is sent after it, and none is sent at
 once while one of its stream is queued. A response's tensors are made and held until Triton has sent it
 (disagg.triton.responses).
@@ -28,8 +28,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class ResponseThread:
     """Sends the responses given to `send` and `fail`, until `close`. Each sender's responses come from one
-    thread of the caller's at a time, in order (its request's worker, and before it the engine stream's reader
-    with the first token)."""
+    thread of the caller's at a time, in order (the engine streams' reader threads with the tokens, one hop
+    after the other, then its request's worker with the end)."""
 
     def __init__(self, name: str):
         self.name = name
