@@ -275,9 +275,9 @@ class OrchestratorSpec:
     # Which prefill instance a request goes to: where its prefix is cached weighed against load (falls
     # back to load alone without enable_kv_cache_reuse), the least loaded, or at random (a baseline).
     prefill_routing: str = "cache_aware"
-    # Engine responses waiting behind a request's worker (its client takes them slower than the engine
-    # makes them) before the waiting tokens go out as one response; 0: never, one token per response as
-    # the tensorrtllm backend streams (clients such as perf_analyzer count responses).
+    # Token responses waiting behind a request's response that Triton has not sent yet (its client takes
+    # them slower than the engine makes them) before the waiting tokens go out as one response; 0: never,
+    # one token per response as the tensorrtllm backend streams (clients such as perf_analyzer count responses).
     coalesce_backlog: int = 0
     # Also render `tensorrt_llm_bls`: the ensemble's text contract served by one Python model that
     # tokenizes, orchestrates and detokenizes in process (each token crosses one Python process, not three).

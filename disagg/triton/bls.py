@@ -38,8 +38,8 @@ ORCHESTRATOR_NAME = {h.output: h.to for h in text_contract.PREPROCESSED}  # prep
 class TextStream(ClientStream):
     """Responses as `ensemble` gives them, each one's new tokens detokenized here as they come."""
 
-    def __init__(self, out, sender, streaming: bool, stream_id: str, detokenizer: Detokenizer, paced: bool):
-        super().__init__(out, sender, streaming, stream_id, paced)
+    def __init__(self, out, sender, streaming: bool, stream_id: str, detokenizer: Detokenizer, coalesce_backlog: int):
+        super().__init__(out, sender, streaming, stream_id, coalesce_backlog)
         self.text = IncrementalText(detokenizer)
 
     def _outputs(self, ids: list[int], prefix_length: int, final: bool) -> dict[str, np.ndarray]:
@@ -68,7 +68,7 @@ class TritonPythonModel(Orchestrator):
         return super()._copy_input(name, tensor)
 
     def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
-        return TextStream(self.out, sender, streaming, stream_id, self.detokenizer, paced=self.coalesce_backlog > 0)
+        return TextStream(self.out, sender, streaming, stream_id, self.detokenizer, self.coalesce_backlog)
 
     def _cancel_flag(self, request_id: str) -> cancel_board.NoFlag:
         return cancel_board.NoFlag()

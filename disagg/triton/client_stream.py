@@ -24,36 +24,75 @@ PREFIX_TOKENS = 4
 
 
 class ClientStream:
-    """What the client gets: token responses (streamed, or one at the end) with a UTF-8 prefix."""
+    """What the client gets: token responses (streamed, or one at the end) with a UTF-8 prefix.
 
-    def __init__(self, out: ResponseThread, sender, streaming: bool, stream_id: str, paced: bool = False):
+    Its tokens come from one thread at a time: the engine streams' reader threads, then the request's worker
+    with the end. With `coalesce_backlog` N, a streamed response is given to Triton only once the one before
+    it has been sent; those that came meanwhile wait here, and once N of them wait they go out as one (their
+    tokens in order). A client that Triton sends to slower than its engine streams gets fewer, fuller
+    responses instead of falling further behind; one that keeps up gets a token per response. No thread
+    waits for it: each response, once sent, gives the next (`_sent`, on the thread that sent it)."""
+
+    def __init__(self, out: ResponseThread, sender, streaming: bool, stream_id: str, coalesce_backlog: int = 0):
         self.out, self.sender = out, sender
-        # paced: each response waits for the one before it to be sent, so a stream that Triton sends slower
-        # than its engine answers lets the engine's responses wait in its hop, where they are coalesced
-        self.previous_sent = threading.Event() if paced else None
-        if self.previous_sent is not None:
-            self.previous_sent.set()
         self.streaming = streaming
         self.stream_id = stream_id.encode()
+        self.backlog = coalesce_backlog
         self.tokens: list[int] = []
-        self.sent = 0
+        self.sent = 0  # tokens given to Triton
         self.check = cancel_board.Throttle(CANCEL_CHECK_S)
+        # Reentrant: a response Triton sends at once calls `_sent` on the thread that gave it, under the lock.
+        self._lock = threading.RLock()
+        self._in_flight = False  # coalescing: a response given and not sent yet
+        self._waiting: list[int] = []  # coalescing: the tokens of each response that came meanwhile
+        self._final = False  # coalescing: the end came meanwhile, to go after the waiting ones
+        self._failed = False
 
     def emit(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        if self.streaming and tokens:
-            self._send(self.sent, final=False)
+        with self._lock:
+            self.tokens += tokens
+            if not (self.streaming and tokens) or self._failed:
+                return
+            if self._in_flight:
+                self._waiting.append(len(tokens))
+            else:
+                self._give(self.sent, len(self.tokens), final=False)
 
-    def _send(self, start: int, final: bool) -> None:
+    def finish(self) -> None:
+        """Streamed: a last response with no new tokens, which flushes a held-back partial character.
+        Otherwise the whole answer in one response, even when it is empty."""
+        with self._lock:
+            if self._in_flight:
+                self._final = True
+            else:
+                self._give(self.sent if self.streaming else 0, len(self.tokens), final=True)
+
+    def fail(self, message: str) -> None:
+        with self._lock:
+            self._failed = True  # no response waiting here goes out after the error
+            self.out.fail(self.sender, message)
+
+    def _give(self, start: int, end: int, final: bool) -> None:
+        """Gives Triton tokens[start:end] (under the lock)."""
         prefix = max(0, start - PREFIX_TOKENS)
-        ids = self.tokens[prefix:]
-        then = None
-        if self.previous_sent is not None:
-            self.previous_sent.wait()
-            self.previous_sent.clear()
-            then = self.previous_sent.set
-        self.out.send(self.sender, self._outputs(ids, start - prefix, final), FINAL if final else 0, then)
-        self.sent = len(self.tokens)
+        outputs = self._outputs(self.tokens[prefix:end], start - prefix, final)
+        self.sent = end
+        self._in_flight = bool(self.backlog) and not final
+        self.out.send(self.sender, outputs, FINAL if final else 0, self._sent if self._in_flight else None)
+
+    def _sent(self) -> None:
+        """The response in flight has been sent: the next goes, the waiting ones as one once there are enough."""
+        with self._lock:
+            self._in_flight = False
+            if self._failed:
+                return
+            if self._waiting:
+                merged = len(self._waiting) if len(self._waiting) >= self.backlog else 1
+                end = self.sent + sum(self._waiting[:merged])
+                del self._waiting[:merged]
+                self._give(self.sent, end, final=False)
+            elif self._final:
+                self._give(self.sent, len(self.tokens), final=True)
 
     def _outputs(self, ids: list[int], prefix_length: int, final: bool) -> dict[str, np.ndarray]:
         """One response's tensors: `ids`, the first `prefix_length` of them sent before."""
@@ -65,11 +104,3 @@ class ClientStream:
             # postprocessing asks Triton about cancellation only when a response names the flag
             "stream_id": np.asarray([[self.stream_id if self.check.due() else b""]], dtype=object),
         }
-
-    def finish(self) -> None:
-        """Streamed: a last response with no new tokens, which flushes a held-back partial character.
-        Otherwise the whole answer in one response, even when it is empty."""
-        self._send(self.sent if self.streaming else 0, final=True)
-
-    def fail(self, message: str) -> None:
-        self.out.fail(self.sender, message)

@@ -62,8 +62,8 @@ class Cancelled(Exception):
 
 
 class Hop:
-    """One call to an engine model, its responses handed over through a queue so the caller can time out
-    and notice cancellation while the engine works.
+    """One call to an engine model. Its responses (or, with tokens handed on, only its end and errors) reach
+    the caller through a queue, so the caller can time out and notice cancellation while the engine works.
 
     Over HTTP each call has a connection of its own (disagg.triton.engine_http); over gRPC it goes on the engine server's
     shared stream (disagg.triton.engine_stream), or on a stream of its own (`own_stream`) for a `stop`,
@@ -158,24 +158,15 @@ class Hop:
                 pass
         self.close()
 
-    def results(self, timeout_s: float, cancelled, coalesce_backlog: int = 0):
+    def results(self, timeout_s: float, cancelled):
         """Yields (output_ids, context_phase_params) per non-empty response (with `on_tokens`, only those with
-        params); checks cancellation every 50 ms; fails once no response came for `timeout_s`.
-        With `coalesce_backlog`, once that many responses wait behind the caller, all waiting ones are yielded
-        together (their tokens in order, the last params): a consumer that has fallen behind gets fewer,
-        fuller responses instead of falling further behind, while one that keeps up gets them one by one."""
+        params); checks cancellation every 50 ms; fails once no response came for `timeout_s`."""
         check = cancel_board.Throttle(CANCEL_CHECK_S, due_now=False)
-        held = None  # the end or an error found while coalescing: handled after the tokens before it
         while True:
-            if held is not None:
-                item, held = held, None
-            else:
-                try:
-                    item = self.results_queue.get(timeout=CANCEL_CHECK_S)
-                except queue.Empty:
-                    item = None
-            if coalesce_backlog and isinstance(item, tuple) and self.results_queue.qsize() >= coalesce_backlog:
-                item, held = self._coalesce(item)
+            try:
+                item = self.results_queue.get(timeout=CANCEL_CHECK_S)
+            except queue.Empty:
+                item = None
             now = time.monotonic()
             if check.due():  # every CANCEL_CHECK_S, tokens or not
                 with STUB_LOCK:
@@ -195,16 +186,7 @@ class Hop:
                 raise item
             yield item
 
-    def _coalesce(self, first: tuple[list[int], np.ndarray | None]):
-        """`first` merged with the token responses already waiting; returns it and the item that stopped
-        the merge (the end, an error) or None."""
-        tokens, params = first
-        while True:
-            try:
-                item = self.results_queue.get_nowait()
-            except queue.Empty:
-                return (tokens, params), None
-            if not isinstance(item, tuple):
-                return (tokens, params), item
-            tokens = tokens + item[0]
-            params = item[1] if item[1] is not None else params
+    def wait(self, timeout_s: float, cancelled) -> None:
+        """Until the hop's end, its tokens handed on (`on_tokens`); raises as `results` does."""
+        for _ in self.results(timeout_s, cancelled):
+            pass

@@ -194,7 +194,7 @@ class TritonPythonModel:
         return tensor.as_numpy().copy() if name in self.read_inputs else None
 
     def _client_stream(self, sender, streaming: bool, stream_id: str) -> ClientStream:
-        return ClientStream(self.out, sender, streaming, stream_id, paced=self.coalesce_backlog > 0)
+        return ClientStream(self.out, sender, streaming, stream_id, self.coalesce_backlog)
 
     def _cancel_flag(self, request_id: str) -> cancel_board.CancelFlag | cancel_board.NoFlag:
         """Where postprocessing tells of a client's cancellation (through an ensemble it alone hears of it)."""
@@ -332,9 +332,8 @@ class TritonPythonModel:
 
         try:
             with self._hop(decode, {**inputs, "context_phase_params": params.reshape(1, -1)}, request_id, "generation_only",
-                           on_tokens=self._on_reader(take)) as hop:
-                for ids, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
-                    take(ids)
+                           on_tokens=take) as hop:
+                hop.wait(self.decode_timeout_s, cancelled)
             self.router.probe_tpot(decode, at_decode, first_at, tokens, tokens, ended=True)
         finally:
             self.router.done(decode)
@@ -357,17 +356,10 @@ class TritonPythonModel:
             count += len(tokens)
             self.router.probe_tpot(engine, measured_at, first_at, count - len(tokens), count)
 
-        with self._hop(engine, inputs, request_id, "context_and_generation", on_tokens=self._on_reader(take)) as hop:
+        with self._hop(engine, inputs, request_id, "context_and_generation", on_tokens=take) as hop:
             yield SENT
-            for tokens, _ in hop.results(self.decode_timeout_s, cancelled, self.coalesce_backlog):
-                take(tokens)
+            hop.wait(self.decode_timeout_s, cancelled)
         self.router.probe_tpot(engine, measured_at, first_at, count, count, ended=True)
-
-    def _on_reader(self, take: Callable[[list[int]], None]) -> Callable[[list[int]], None] | None:
-        """Where a hop's tokens go to the client from: the engine stream's reader thread (`take` as the hop's
-        `on_tokens`), or, with `coalesce_backlog`, the request's worker (None). A coalescing client stream waits
-        for each response to be sent before the next, which would hold up the reader and every request on it."""
-        return None if self.coalesce_backlog else take
 
     def _release(self, request_id: str, inputs: dict[str, np.ndarray], reached: Reached) -> None:
         """Frees what an ended request holds: `stop` where it went, and a handoff nobody took is drained."""
