@@ -78,6 +78,12 @@ def test_a_short_backlog_is_not_merged(stubbed):
     assert _new_tokens(got) == [[1], [2], [3], []]
 
 
+def test_a_long_backlog_sent_one_by_one_does_not_deepen_the_stack(stubbed):
+    # fewer waiting than coalesce_backlog: each goes out alone, each send giving the next on the same thread
+    got = _slowly_sent(stubbed, 1000, [[t] for t in range(400)])
+    assert _new_tokens(got) == [[t] for t in range(400)] + [[]]
+
+
 def test_no_waiting_token_goes_out_after_an_error(stubbed):
     got = _slowly_sent(stubbed, 2, [[t] for t in range(6)], end=lambda client: client.fail("decode: engine failed"))
     assert _new_tokens(got[:1]) == [[0]]  # in flight when the request failed

@@ -46,6 +46,7 @@ class ClientStream:
         self._in_flight = False  # coalescing: a response given and not sent yet
         self._waiting: list[int] = []  # coalescing: the tokens of each response that came meanwhile
         self._final = False  # coalescing: the end came meanwhile, to go after the waiting ones
+        self._draining = False  # coalescing: `_sent` is giving the waiting ones on this thread
         self._failed = False
 
     def emit(self, tokens: list[int]) -> None:
@@ -81,18 +82,28 @@ class ClientStream:
         self.out.send(self.sender, outputs, FINAL if final else 0, self._sent if self._in_flight else None)
 
     def _sent(self) -> None:
-        """The response in flight has been sent: the next goes, the waiting ones as one once there are enough."""
+        """The response in flight has been sent: the next goes, the waiting ones as one once there are enough.
+        A response Triton sends at once calls this again inside `_give`: that call only marks it sent, and the
+        loop here gives the next, so a long backlog sent one by one does not deepen the stack per response."""
         with self._lock:
             self._in_flight = False
-            if self._failed:
+            if self._draining:
                 return
-            if self._waiting:
-                merged = len(self._waiting) if len(self._waiting) >= self.backlog else 1
-                end = self.sent + sum(self._waiting[:merged])
-                del self._waiting[:merged]
-                self._give(self.sent, end, final=False)
-            elif self._final:
-                self._give(self.sent, len(self.tokens), final=True)
+            self._draining = True
+            try:
+                while not self._in_flight and not self._failed:
+                    if self._waiting:
+                        merged = len(self._waiting) if len(self._waiting) >= self.backlog else 1
+                        end = self.sent + sum(self._waiting[:merged])
+                        del self._waiting[:merged]
+                        self._give(self.sent, end, final=False)
+                    elif self._final:
+                        self._final = False
+                        self._give(self.sent, len(self.tokens), final=True)
+                    else:
+                        break
+            finally:
+                self._draining = False
 
     def _outputs(self, ids: list[int], prefix_length: int, final: bool) -> dict[str, np.ndarray]:
         """One response's tensors: `ids`, the first `prefix_length` of them sent before."""

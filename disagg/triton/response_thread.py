@@ -90,9 +90,17 @@ class ResponseThread:
                         self._queued[id(sender)] = left
             for *_, then in batch:
                 if then is not None:
-                    then()
+                    self._quietly(then)
             if item is None:
                 return
+
+    def _quietly(self, then: Callable[[], None]) -> None:
+        """A sent response's `then` (a stream giving its next response): a fault there must not end this thread,
+        which sends every stream's queued responses."""
+        try:
+            then()
+        except Exception:  # noqa: BLE001 - logged; the other streams go on
+            pb_utils.Logger.log_error(f"{self.name}: after a response was sent: {traceback.format_exc()}")
 
     def _send(self, sender, outputs: dict[str, np.ndarray] | str, flags: int) -> None:
         try:
