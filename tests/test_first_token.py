@@ -17,14 +17,21 @@ def hop_module():
         yield module
 
 
-def test_the_first_token_is_handed_on_by_the_reader_before_the_caller_gets_it(hop_module):
+def _answered_on_a_reader(hop_module, option: str):
+    """A hop with `option` (on_first_token or on_tokens) recording what it is handed and on which thread, and
+    its engine's answer ([7, 8], [9], the end) read on a thread named "reader"."""
     stream, seen = EngineStream(), []
-    hop = decode_hop(hop_module, stream, on_first_token=lambda token: seen.append((token, threading.current_thread().name)))
+    hop = decode_hop(hop_module, stream, **{option: lambda tokens: seen.append((tokens, threading.current_thread().name))})
     reader = threading.Thread(target=lambda: (stream.on_response(EngineResult([7, 8]), None, False),
                                               stream.on_response(EngineResult([9]), None, False),
                                               stream.on_response(EngineResult(None), None, True)), name="reader")
     reader.start()
     reader.join(5)
+    return hop, seen
+
+
+def test_the_first_token_is_handed_on_by_the_reader_before_the_caller_gets_it(hop_module):
+    hop, seen = _answered_on_a_reader(hop_module, "on_first_token")
     assert seen == [([7], "reader")]  # once, the first token only, on the thread that read it
     assert [ids for ids, _ in hop.results(5.0, lambda: False)] == [[7, 8], [9]]  # the caller still gets every token
 
@@ -39,13 +46,7 @@ def test_no_first_token_is_handed_on_after_the_caller_left(hop_module):
 
 
 def test_every_token_is_handed_on_by_the_reader_and_the_caller_waits_only_for_the_end(hop_module):
-    stream, seen = EngineStream(), []
-    hop = decode_hop(hop_module, stream, on_tokens=lambda tokens: seen.append((tokens, threading.current_thread().name)))
-    reader = threading.Thread(target=lambda: (stream.on_response(EngineResult([7, 8]), None, False),
-                                              stream.on_response(EngineResult([9]), None, False),
-                                              stream.on_response(EngineResult(None), None, True)), name="reader")
-    reader.start()
-    reader.join(5)
+    hop, seen = _answered_on_a_reader(hop_module, "on_tokens")
     assert seen == [([7, 8], "reader"), ([9], "reader")]
     assert list(hop.results(5.0, lambda: False)) == []  # nothing left for the caller but the end
 
