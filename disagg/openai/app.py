@@ -101,11 +101,12 @@ def _prepare(deployment: Deployment, req, text: str, max_tokens: int | None, pro
             **{k: v for k, v in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty)) if v is not None},
         )
     except InputError as exc:
+        sent_as = {"text_input": prompt_field, "max_tokens": limit_field}
         field = str(exc).split(":", 1)[0]
-        named = {"text_input": prompt_field, "max_tokens": limit_field}.get(field, field)
+        named = sent_as.get(field, field)
         message = named + str(exc)[len(field):]
-        if field == "min_tokens":  # "... is over max_tokens=N": the limit, under the name it was sent by
-            message = message.replace("max_tokens=", f"{limit_field}=")
+        for public, sent in sent_as.items():  # a limit the message names ("... is over max_tokens=N"), as it was sent
+            message = message.replace(f"{public}=", f"{sent}=")
         raise APIError(message, param=named) from None
     options = _options(req, max_tokens, deployment.pre.tokenizer.get_vocab_size(with_added_tokens=True))
     stream_options = req.stream_options
