@@ -2,6 +2,7 @@
 and `python -m disagg.bench front` measures every path on a real tritonserver."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -15,7 +16,8 @@ import pytest
 from engine_helpers import EngineFactory
 
 from disagg.bench.front import (COALESCED, PATHS, PROMPT, CeilingRound, Driver, Flight, Level, figure, front_spec, measure, median_interval,
-                                rotated, summary)
+                                perf_level, rotated, summary)
+from disagg.bench.perf_load import Exported, PerfRun, read_export
 from disagg.bench.front_plot import plot
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.no_compute import skipped_compute
@@ -57,13 +59,28 @@ def test_time_per_token_counts_every_token_of_a_coalesced_response():
     assert Flight(sent=0.0, phase="text", stamps=[0.010], counts=[1]).per_token_s() is None
 
 
+def test_a_perf_analyzer_row_counts_the_tokens_of_the_window_in_which_every_stream_was_busy():
+    """Requests sent at 0, 0 and 1 s: the window is 0-1 s; a response carrying no token (the final) is no
+    response of the row's, one carrying three counts three."""
+    run = PerfRun([Exported(0.0, (0.1, 0.3, 0.5, 0.6), (1, 1, 1, 0)), Exported(0.0, (0.2, 0.4, 1.5), (1, 3, 1)),
+                   Exported(1.0, (1.1, 1.2), (1, 1))], cpu_s=0.5)
+    row = perf_level("tensorrt_llm_bls", 2, run, {"tritonserver": 0.9, "perf_analyzer": 0.5})
+    assert row.tokens_per_s == pytest.approx(7 / 1.0)  # 1.1 and 1.2 came after the last request was sent, 1.5 too
+    assert (row.completed, row.client, row.errors) == (3, "perf_analyzer", 0)
+    assert row.ttft_ms == pytest.approx(100.0)  # 100, 200 and 100 ms
+    assert row.gap_ms == pytest.approx(200.0)  # each request's mean gap between its token responses: 200, 650, 100
+    assert row.token_ms == pytest.approx(200.0)  # after the first response: 400 / 2 = 200, 1300 / 4 = 325, 100
+    assert row.cpu_ms_per_token == pytest.approx({"tritonserver": 900 / 10, "perf_analyzer": 500 / 10})  # 10 tokens in all
+
+
 @pytest.mark.e2e
 def test_the_front_bench_measures_every_path_without_errors(tmp_path, capsys):
     peaks = iter([{16: 100.0, 64: 200.0}, {16: 300.0, 64: 150.0}])  # the computing engine's turn in each ceiling round
     rows, ceilings = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (2,), 1.0, 16, ceiling_rounds=2,
                              engine_peak=lambda: next(peaks), coalesced_bls=3, alternate=1)
     rounds = [r for r in rows if r.round is not None]
-    rows = [r for r in rows if r.round is None]
+    perf_rows = [r for r in rows if r.client == "perf_analyzer"]
+    rows = [r for r in rows if r.round is None and r.client == "python"]
     assert [r.path for r in rows] == [*PATHS, COALESCED]
     assert sorted(r.path for r in rounds) == sorted([*PATHS, COALESCED, "front_floor"]) and all(r.completed == 1 for r in rounds)
     # each front's model timed its requests of the round (the warm-up and the one measured) to their first engine request
@@ -74,14 +91,25 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path, capsys):
     # the coalescing BLS is the repository's own, its coalesce_backlog set
     config = parse_config(COALESCED, (tmp_path / "front/model_repository" / COALESCED / "config.pbtxt").read_text())
     assert config.parameters["coalesce_backlog"].string_value == "3" and config.parameters["mode"].string_value == "disaggregated"
-    # each ceiling round serves the fronts again at their best level, beside that round's engine timing
-    fronts = ["ensemble", "tensorrt_llm_bls", COALESCED, "prefill + decode"]  # the engines called directly: the bound
+    # perf_analyzer drives each path of the ceiling rounds once per level first, then in each round at its best
+    # level, beside that round's engine timing; its bound is an engine called directly
+    fronts = ["ensemble", "tensorrt_llm_bls", COALESCED, "aggregated_engine"]
+    assert [(r.path, r.streams) for r in perf_rows] == [(path, 2) for path in PATHS + (COALESCED,) if path in fronts]
     assert [(c.round, c.engine, list(c.fronts)) for c in ceilings] == [
         (0, {16: 100.0, 64: 200.0}, fronts), (1, {16: 300.0, 64: 150.0}, fronts)]
+    for level in perf_rows + [level for c in ceilings for level in c.fronts.values()]:
+        assert level.client == "perf_analyzer" and level.streams == 2 and level.errors == 0 and level.tokens_per_s > 0, level
+        assert level.completed >= 4 and level.cpu_ms_per_token["perf_analyzer"] > 0 and level.cpu_ms_per_token["tritonserver"] > 0, level
     for c in ceilings:
         for front, level in c.fronts.items():
-            assert level.path == front and level.streams == 2 and level.errors == 0 and level.tokens_per_s > 0, level
-            assert c.ratio(front) == level.tokens_per_s / max(c.engine.values())
+            assert level.path == front and c.ratio(front) == level.tokens_per_s / max(c.engine.values())
+    # every request perf_analyzer sent streamed its 16 tokens, counted from each response's own count: a token per
+    # response but where the coalescing BLS merged those waiting
+    for front in fronts:
+        exported = read_export(json.loads((tmp_path / "front/perf_analyzer" / f"{front}-c2.json").read_text()),
+                               "engine" if front == "aggregated_engine" else "text")
+        assert exported and all(sum(r.tokens) == 16 for r in exported), front
+        assert front == COALESCED or all(r.tokens.count(1) == 16 for r in exported), front
     for r in rows:
         assert r.errors == 0 and r.completed > 0 and r.tokens_per_s > 0, r
         assert 0 < r.ttft_ms < 1000 and r.gap_ms > 0, r
@@ -173,14 +201,15 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
                               "prefill + decode": replace(rows[1], tokens_per_s=direct)})
                 for i, (engine, bls, ens, direct) in enumerate(served)]
     lines = summary(rows, ceilings)
-    start = lines.index("  the computing decode engine's best tokens/s by round (bench-100mb, batch 16 or 64): 400, 600, 300")
+    start = lines.index("  the computing decode engine's best tokens/s by round (bench-100mb, batch 16 or 64): 400, 600, 300; "
+                        "the paths' load driven by python")
     assert lines[start + 1:start + 4] == [
         "  front ceiling (ensemble, 64 streams) / the computing decode engine's best, 3 rounds: median 2.00x (1.50x to 2.50x; "
         "by round 2.50x, 1.50x, 2.00x), the front serving 900 tokens/s (median); 0 of 3 rounds at 3x or more; "
-        "0.40 of the engines called directly in the same round (median)",
+        "0.40 of the engines called directly (prefill + decode) in the same round (median)",
         "  front ceiling (tensorrt_llm_bls, 64 streams) / the computing decode engine's best, 3 rounds: median 3.00x (2.50x to 3.50x; "
         "by round 3.00x, 2.50x, 3.50x), the front serving 1200 tokens/s (median); 2 of 3 rounds at 3x or more; "
-        "0.60 of the engines called directly in the same round (median)",
+        "0.60 of the engines called directly (prefill + decode) in the same round (median)",
         "  without a front (prefill + decode, 64 streams) / the computing decode engine's best, 3 rounds: median 5.00x (4.17x to 5.00x; "
         "by round 5.00x, 4.17x, 5.00x), serving 2000 tokens/s (median); 3 of 3 rounds at 3x or more"]
     assert lines[start + 4:] == [
@@ -189,7 +218,7 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
         "TTFT added <= 1.5 ms, per token <= 0.1 ms; every ceiling round at 3x or more):",
         "    ensemble                    ceiling at 3x in 0 of 3 rounds (not met)",
         "    tensorrt_llm_bls            ceiling at 3x in 2 of 3 rounds (not met)",
-        "  bounds on this machine: the engines called directly serve 4.17x to 5.00x the computing decode engine's peak"]
+        "  bounds on this machine: the engines called directly (prefill + decode) serve 4.17x to 5.00x the computing decode engine's peak"]
     lines = summary(rows, [])
     assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured
     rounds = [Level(path, 1, 0.0, ttft, 21.0, token, 1, 0, round=i) for i, (path, ttft, token) in enumerate(

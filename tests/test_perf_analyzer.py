@@ -6,13 +6,12 @@ token, with the text the ensemble gives any other client. `tools/install_perf_an
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from disagg.bench.perf_load import command
 from tools.stream_client import stream
 
 pytestmark = pytest.mark.e2e
@@ -20,16 +19,6 @@ pytestmark = pytest.mark.e2e
 PROMPT = "It was the best of times, it was the worst of times"
 TOKENS = 32
 REQUESTS = 12
-
-
-def perf_analyzer() -> tuple[Path, dict[str, str]]:
-    binary = Path(sys.executable).parent / "perf_analyzer"
-    if not binary.is_file():
-        pytest.fail(f"{binary} is missing: run `bash tools/install_perf_analyzer.sh` (.ci/run does)")
-    import nvidia.cuda_runtime
-
-    lib = Path(nvidia.cuda_runtime.__path__[0]) / "lib"
-    return binary, dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(lib), os.environ.get("LD_LIBRARY_PATH")])))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +30,7 @@ def server(cpu_tiny_project, start_triton):
 
 def run(server, model: str, workdir: Path, concurrency: int) -> list[dict]:
     """perf_analyzer's profile export: one entry per request, with its responses' outputs."""
-    binary, env = perf_analyzer()
+    binary, env = command()
     data = workdir / "inputs.json"
     data.write_text(json.dumps({"data": [{"text_input": [PROMPT], "max_tokens": [TOKENS], "exclude_input_in_output": [True],
                                           "stream": [True], "min_length": [TOKENS]}]}))

@@ -31,7 +31,11 @@ which is what limits the front on a machine whose cores it saturates. The front'
 the engines' own: `--ceiling-rounds` rounds, each timing the decode tokens/s of the reference engine on the
 `bench-100mb` model, computing (its best of batch 16 and 64), and each front at the level where its row served
 most, in turn (the first rotating), and the engines called directly at theirs: no front serves more than they
-do in the same round, so each front's share of them says how far it is from the bound. This machine's speed
+do in the same round, so each front's share of them says how far it is from the bound. perf_analyzer, Triton's
+C++ load generator (the one genai-perf runs), drives those rounds (`--ceiling-client`; disagg.bench.perf_load),
+each front at the level where perf_analyzer served it most, timed once per level before the rounds; its bound is
+aggregated_engine called directly, since it cannot hand prefill's answer to decode (`--ceiling-client python`:
+this bench's client, each front at its row's best level, and the prefill + decode bound). This machine's speed
 moves by up to 2x over minutes, which a ratio of figures timed minutes apart takes for the front's; within a
 round it moves both alike, so the ratio is given per round, with the median. Last, `--alternate` rounds of one
 request on each path in turn give the one-stream comparison again, as the median of the rounds' differences
@@ -51,8 +55,9 @@ The rows and the alternated rounds are saved to `<out>/front.json`, from whose r
 sizes a GPU deployment's front (disagg.planner.front_cost), and drawn with the ceiling rounds in
 `<out>/front.png` (disagg.bench.front_plot).
 
-One client drives every path the same way (one gRPC stream, requests told apart by id) and shares the
-machine's cores with the server: at high concurrency it is part of what is measured, for every path alike.
+One client drives every path of the rows and the alternated rounds the same way (one gRPC stream, requests told
+apart by id) and shares the machine's cores with the server: at high concurrency it is part of what is measured,
+for every path alike; in the ceiling rounds perf_analyzer is, for less.
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tqdm import tqdm
 
+from disagg.bench import perf_load
 from disagg.bench.front_plot import FrontFigure, plot
 from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
@@ -89,7 +95,11 @@ TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated", COALESCED)
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
 CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside the front
 FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts that stream through both engines
-CEILING_PATHS = (*FRONTS, COALESCED, DIRECT)  # those of a run's paths timed in each ceiling round
+ENGINE_DIRECT = "aggregated_engine"  # an engine called directly, one request each: the bound perf_analyzer can drive
+# The paths a ceiling round times (those of a run's paths), by its load generator: the text fronts and, as the
+# bound no front passes, the engines called directly (perf_analyzer cannot hand prefill's answer to decode).
+CEILING_PATHS = {"perf_analyzer": (*FRONTS, COALESCED, ENGINE_DIRECT), "python": (*FRONTS, COALESCED, DIRECT)}
+BOUNDS = (DIRECT, ENGINE_DIRECT)
 ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
 FIRST_HOP = "disagg_first_hop_seconds"  # an orchestrator's time from a request's arrival to its first engine request
 # The model of each path whose stub times that (the ensembles' orchestrators, the BLS models).
@@ -213,6 +223,7 @@ class Level:
     # An alternated round's warm-up: the TTFT of the request on the path just before the one measured, the first
     # there after the path sat idle while the others ran.
     idle_ttft_ms: float = float("nan")
+    client: str = "python"  # what drove the row: the Driver, or "perf_analyzer" (a ceiling round's)
 
 
 @dataclass
@@ -300,11 +311,10 @@ class Driver:
         with self._lock:
             if not self._idle.wait_for(lambda: not self.flights, timeout=DRAIN_S):
                 raise RuntimeError(f"{path} x{streams}: {len(self.flights)} requests unfinished {DRAIN_S:.0f} s after the window")
-        med = (lambda xs: float(np.median(xs)) * 1e3 if xs else float("nan"))
         tokens = max(1, self.tokens_in_window)
         cpu = {name: (after[name] - before.get(name, 0.0)) * 1e3 / tokens for name in after}
-        return Level(path, streams, self.tokens_in_window / (end - start), med(self.ttfts), med(self.gaps), med(self.per_token),
-                     len(self.ttfts), self.errors, cpu, idle_ttft_ms=med(self.idle_ttfts))
+        return Level(path, streams, self.tokens_in_window / (end - start), _median_ms(self.ttfts), _median_ms(self.gaps),
+                     _median_ms(self.per_token), len(self.ttfts), self.errors, cpu, idle_ttft_ms=_median_ms(self.idle_ttfts))
 
     def close(self) -> None:
         """Ends the stream, cancelling it only while requests are in flight: a server that has stopped
@@ -398,13 +408,61 @@ class Driver:
             self._idle.notify_all()
 
 
+def _median_ms(seconds: list[float]) -> float:
+    return float(np.median(seconds)) * 1e3 if seconds else float("nan")
+
+
+def _row_line(r: Level) -> str:
+    return f"  {r.path:<27}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}"
+
+
+def perf_level(path: str, streams: int, run: perf_load.PerfRun, cpu_s: dict[str, float]) -> Level:
+    """A row of perf_analyzer's run, counted as the Driver counts its own: the tokens received in the window
+    in which every stream was busy, and the TTFT, gap and time per token of the requests sent in it; CPU
+    (`cpu_s`, by process, over the whole run) per token received in the whole run."""
+    start, end = run.window
+    flights = [Flight(r.sent, "perf_analyzer", stamps=[t for t, n in zip(r.stamps, r.tokens) if n], counts=[n for n in r.tokens if n])
+               for r in run.requests]
+    answered = [f for f in flights if f.stamps]
+    in_window = sum(n for f in flights for t, n in zip(f.stamps, f.counts) if start <= t <= end)
+    cpu = {name: s * 1e3 / max(1, sum(map(sum, (f.counts for f in flights)))) for name, s in cpu_s.items()}
+    return Level(path, streams, in_window / max(end - start, 1e-9), _median_ms([f.stamps[0] - f.sent for f in answered]),
+                 _median_ms([float(np.mean(np.diff(f.stamps))) for f in answered if len(f.stamps) > 1]),
+                 _median_ms([f.per_token_s() for f in answered if len(f.stamps) > 1]), len(answered), 0, cpu,
+                 client="perf_analyzer")
+
+
+def perf_driver(server, ids: list[int], max_tokens: int, seconds: float, workdir: Path) -> Callable[[Level], Level]:
+    """Drives a text front or ENGINE_DIRECT with perf_analyzer as the Driver drove it in `row`: the same requests,
+    the same streams kept in flight, and as many requests as keep them busy for `seconds` at the row's rate;
+    the CPU each process of the server, this one and perf_analyzer spent."""
+    def drive(row: Level) -> Level:
+        path, streams = row.path, row.streams
+        if path in TEXT_PATHS:
+            data, kind, parameters = perf_load.text_data(PROMPT, max_tokens), "text", None
+        elif path == ENGINE_DIRECT:
+            data, kind = perf_load.engine_data(ids, max_tokens), "engine"
+            parameters = {"request_type": "context_and_generation", PARAMETER: server.internal_key}
+        else:
+            raise ValueError(f"perf_analyzer drives a text front or {ENGINE_DIRECT}, not {path}")
+        before = cpu_seconds(server.process.pid)
+        expected_s = streams * max_tokens / max(row.tokens_per_s, 1.0)  # a request's time in flight, at the row's rate
+        requests = streams + max(streams, math.ceil(row.tokens_per_s / max_tokens * seconds))
+        run = perf_load.run(server.grpc_url, path, streams, requests, data, kind, workdir, timeout_s=120 + 10 * (expected_s + seconds),
+                            parameters=parameters)
+        after = cpu_seconds(server.process.pid)
+        return perf_level(path, streams, run, {**{name: after[name] - before.get(name, 0.0) for name in after},
+                                               "perf_analyzer": run.cpu_s})
+    return drive
+
+
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
             coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0, alternate: int = 0,
             ceiling_rounds: int = 0, engine_peak: Callable[[], dict[int, float]] | None = None, coalesced_bls: int = 0,
-            ) -> tuple[list[Level], list[CeilingRound]]:
+            ceiling_client: str = "perf_analyzer") -> tuple[list[Level], list[CeilingRound]]:
     """A row per level and path (and COALESCED, with `coalesced_bls`: its coalesce_backlog); then `ceiling_rounds`
-    rounds of `engine_peak` (the computing decode engine's tokens/s by batch) and each path of CEILING_PATHS
-    among the paths at its best level; then, with `alternate`, that many
+    rounds of `engine_peak` (the computing decode engine's tokens/s by batch) and each path of
+    CEILING_PATHS[ceiling_client] among the paths at its best level, driven by `ceiling_client`; then, with `alternate`, that many
     rounds of one request on each path and front_floor in turn (the first path rotating), each a row of its own
     with its `round`: a drift in the machine's speed, which moves a whole row's TTFT by milliseconds here, then
     hits every path's request of a round alike. Each follows a warm-up request on its path (closed-loop, as one
@@ -431,12 +489,21 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
             for streams in levels:
                 for path in paths:
                     rows.append(driver.run(path, streams, seconds, min_requests))
-                    r = rows[-1]
-                    print(f"  {r.path:<27}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}", flush=True)
-            best = {front: max((r for r in rows if r.path == front), key=lambda r: r.tokens_per_s).streams
-                    for front in CEILING_PATHS if front in paths} if ceiling_rounds else {}
+                    print(_row_line(rows[-1]), flush=True)
+            ceiling_paths = [front for front in CEILING_PATHS[ceiling_client] if front in paths] if ceiling_rounds else []
+            drive = (perf_driver(server, ids, max_tokens, seconds, out / "perf_analyzer") if ceiling_client == "perf_analyzer"
+                     else lambda row: driver.run(row.path, row.streams, seconds, min_requests))
+            if ceiling_client == "perf_analyzer" and ceiling_paths:
+                # Its best level is its own: the BLS can serve most at 256 streams under perf_analyzer and at 64
+                # under the Driver (docs/measurements.md).
+                print("  the ceiling rounds' paths driven by perf_analyzer, each level above 1 stream once, for each one's best level:", flush=True)
+                for row in [r for r in rows if r.path in ceiling_paths and (r.streams > 1 or max(levels) == 1)]:
+                    rows.append(drive(row))
+                    print(_row_line(rows[-1]), flush=True)
+            best = {front: max((r for r in rows if r.path == front and r.client == ceiling_client), key=lambda r: r.tokens_per_s)
+                    for front in ceiling_paths}
             for i in range(ceiling_rounds):
-                ceilings.append(ceiling_round(i, best, driver, seconds, min_requests, engine_peak))
+                ceilings.append(ceiling_round(i, best, drive, engine_peak))
                 c = ceilings[-1]
                 print(f"  ceiling round {i + 1}/{ceiling_rounds}: the {ENGINE} {max(c.engine.values()):.0f} tokens/s, "
                       + ", ".join(f"{front} {level.tokens_per_s:.0f} ({c.ratio(front):.2f}x)" for front, level in c.fronts.items()),
@@ -479,20 +546,26 @@ def first_hops(before: dict[str, Histogram], after: dict[str, Histogram], paths:
             f"the model timed them ({FIRST_HOP}; p50 from its buckets): " + ", ".join(parts))
 
 
+def ordered(paths) -> list[str]:
+    """A ceiling round's paths in the order they are shown: the fronts, then the bound."""
+    order = (*FRONTS, COALESCED, *BOUNDS)
+    return sorted(paths, key=lambda path: order.index(path) if path in order else len(order))
+
+
 def rotated(items: tuple[str, ...], i: int) -> tuple[str, ...]:
     """`items` starting at the i-th, so that no path always goes first."""
     return items[i % len(items):] + items[:i % len(items)]
 
 
-def ceiling_round(i: int, best: dict[str, int], driver: Driver, seconds: float, min_requests: int,
+def ceiling_round(i: int, best: dict[str, Level], drive: Callable[[Level], Level],
                   engine_peak: Callable[[], dict[int, float]]) -> CeilingRound:
-    """The engine's turn and each front's at `best[front]` streams (where its row served most), in rotated order."""
+    """The engine's turn and each front's as in `best[front]` (its row that served most), in rotated order."""
     engine, fronts = {}, {}
     for turn in rotated((ENGINE, *best), i):
         if turn == ENGINE:
             engine = engine_peak()
         else:
-            fronts[turn] = driver.run(turn, best[turn], seconds, min_requests)
+            fronts[turn] = drive(best[turn])
     return CeilingRound(i, engine, fronts)
 
 
@@ -547,7 +620,7 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     """The comparisons printed after the rows, then the front's ceiling from `ceilings`, then each front against
     its targets."""
     rounds = [r for r in rows if r.round is not None]
-    rows = [r for r in rows if r.round is None]
+    rows = [r for r in rows if r.round is None and r.client == "python"]
     by = {(r.path, r.streams): r for r in rows}
     lines = []
     for front, direct in (("ensemble", DIRECT), ("tensorrt_llm_bls", DIRECT), (COALESCED, DIRECT),
@@ -581,20 +654,23 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
 def _ceiling(ceilings: list[CeilingRound]) -> list[str]:
     """The engine's peak by round, then each path's tokens/s against it."""
     engine = [max(c.engine.values()) for c in ceilings]
+    timed = ceilings[0].fronts
     lines = [f"  the {ENGINE}'s best tokens/s by round (bench-100mb, batch {' or '.join(map(str, CEILING_BATCHES))}): "
-             + ", ".join(f"{rate:.0f}" for rate in engine)]
-    for front in (f for f in CEILING_PATHS if f in ceilings[0].fronts):
+             + ", ".join(f"{rate:.0f}" for rate in engine)
+             + f"; the paths' load driven by {', '.join(sorted({level.client for level in timed.values()}))}"]
+    bound = next((b for b in BOUNDS if b in timed), None)
+    for front in ordered(timed):
         ratios = [c.ratio(front) for c in ceilings]
         served = [c.fronts[front].tokens_per_s for c in ceilings]
-        what, who = ("without a front", "") if front == DIRECT else ("front ceiling", "the front ")
-        line = (f"  {what} ({front}, {ceilings[0].fronts[front].streams} streams) / the {ENGINE}'s best, "
+        what, who = ("without a front", "") if front in BOUNDS else ("front ceiling", "the front ")
+        line = (f"  {what} ({front}, {timed[front].streams} streams) / the {ENGINE}'s best, "
                 f"{len(ceilings)} rounds: median {np.median(ratios):.2f}x ({min(ratios):.2f}x to {max(ratios):.2f}x; "
                 f"by round {', '.join(f'{r:.2f}x' for r in ratios)}), {who}serving "
                 f"{np.median(served):.0f} tokens/s (median); {sum(r >= CEILING_TARGET for r in ratios)} of {len(ratios)} rounds at "
                 f"{CEILING_TARGET:g}x or more")
-        if who and DIRECT in ceilings[0].fronts:
-            shares_of_direct = [c.fronts[front].tokens_per_s / c.fronts[DIRECT].tokens_per_s for c in ceilings]
-            line += f"; {np.median(shares_of_direct):.2f} of the engines called directly in the same round (median)"
+        if who and bound:
+            shares_of_direct = [c.fronts[front].tokens_per_s / c.fronts[bound].tokens_per_s for c in ceilings]
+            line += f"; {np.median(shares_of_direct):.2f} of the engines called directly ({bound}) in the same round (median)"
         lines.append(line)
     return lines
 
@@ -635,9 +711,9 @@ def against_targets(rounds: list[Level], ceilings: list[CeilingRound]) -> list[s
     if floor:
         idle, _ = _differences(rounds, FLOOR, DIRECT, "idle_ttft_ms")
         bounds.append(f"{FLOOR} adds {np.median(floor):+.2f} ms of TTFT" + (f" ({np.median(idle):+.2f} after idling)" if idle else ""))
-    if ceilings and DIRECT in ceilings[0].fronts:
-        ratios = [c.ratio(DIRECT) for c in ceilings]
-        bounds.append(f"the engines called directly serve {min(ratios):.2f}x to {max(ratios):.2f}x the {ENGINE}'s peak")
+    if ceilings and (bound := next((b for b in BOUNDS if b in ceilings[0].fronts), None)):
+        ratios = [c.ratio(bound) for c in ceilings]
+        bounds.append(f"the engines called directly ({bound}) serve {min(ratios):.2f}x to {max(ratios):.2f}x the {ENGINE}'s peak")
     header = (f"  against the targets (one request at a time after one on the same path, the medians of the alternated rounds against {DIRECT}: TTFT added "
               f"<= {TTFT_TARGET_MS:g} ms, per token <= {TOKEN_TARGET_MS:g} ms; every ceiling round at {CEILING_TARGET:g}x or more):")
     return [header, *lines, *([f"  bounds on this machine: {'; '.join(bounds)}"] if bounds else [])]
@@ -648,10 +724,10 @@ def figure(rows: list[Level], ceilings: list[CeilingRound]) -> FrontFigure:
     TTFT added in the alternated rounds."""
     tokens: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        if r.round is None:
+        if r.round is None and r.client == "python":
             tokens.setdefault(r.path, []).append((r.streams, r.tokens_per_s))
     rounds = [r for r in rows if r.round is not None]
-    fronts = [f for f in CEILING_PATHS if ceilings and f in ceilings[0].fronts]
+    fronts = ordered(ceilings[0].fronts) if ceilings else []
     return FrontFigure(
         tokens=tokens,
         engine_peaks=[max(c.engine.values()) for c in ceilings],
@@ -680,6 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coalesced-bls", type=int, default=2,
                    help=f"adds {COALESCED}, tensorrt_llm_bls with this coalesce_backlog, as a path and a front of the "
                         "ceiling rounds (0: not)")
+    p.add_argument("--ceiling-client", choices=sorted(CEILING_PATHS), default="perf_analyzer",
+                   help="what drives the ceiling rounds: perf_analyzer (default; tools/install_perf_analyzer.sh), whose "
+                        f"bound is {ENGINE_DIRECT} called directly, or this bench's Python client, whose bound is {DIRECT}")
     args = p.parse_args(argv)
     levels = tuple(int(x) for x in args.levels.split(","))
     step = f"{args.step_ms:g} ms per engine step" if args.step_ms else "engine steps as fast as they go"
@@ -691,13 +770,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'path':<27}{'streams':>8}{'tokens/s':>11}{'TTFT ms':>10}{'gap ms':>9}{'ms/token':>11}{'requests':>10}{'errors':>8}")
     rows, ceilings = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog,
                              min_requests=args.min_requests, alternate=args.alternate, ceiling_rounds=args.ceiling_rounds,
-                             engine_peak=lambda: engine_ceiling(Path("build"), CEILING_BATCHES), coalesced_bls=args.coalesced_bls)
+                             engine_peak=lambda: engine_ceiling(Path("build"), CEILING_BATCHES), coalesced_bls=args.coalesced_bls,
+                             ceiling_client=args.ceiling_client)
     for line in summary(rows, ceilings):
         print(line)
     saved = args.out / "front.json"
     saved.write_text(json.dumps({"step_ms": args.step_ms, "max_tokens": args.max_tokens,
                                  "ceiling_rounds": [asdict(c) for c in ceilings],
-                                 "rows": [asdict(r) for r in rows if r.round is None],
+                                 "rows": [asdict(r) for r in rows if r.round is None and r.client == "python"],
+                                 "perf_analyzer_rows": [asdict(r) for r in rows if r.client == "perf_analyzer"],
                                  "alternated": [asdict(r) for r in rows if r.round is not None]}, indent=1))
     print(f"  rows saved to {saved} (for `python -m loadtest plan --front`)")
     drawn = plot(figure(rows, ceilings), args.out / "front.png")
