@@ -262,11 +262,11 @@ def test_the_figure_shows_each_path_by_streams_each_ceiling_round_and_each_round
     assert shown.engine_peaks == [400.0, 500.0]
     assert shown.ratios == {"tensorrt_llm_bls": [2.5, 3.2], "prefill + decode": [5.0, 5.0]}
     assert shown.ttft_added == {"ensemble": [], "tensorrt_llm_bls": [1.5, 2.0], COALESCED: [], "front_floor": [1.0, 1.0]}
-    assert (shown.ceiling_target, shown.ttft_target_ms) == (3.0, 1.5)
+    assert (shown.ceiling_target, shown.ttft_target_ms, shown.ceiling_client) == (3.0, 1.5, "python")
     drawn = plot(shown, tmp_path / "front.png")
     assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bare = figure(rows, [])  # no ceiling rounds, no alternated rounds: the levels alone
-    assert (bare.engine_peaks, bare.ratios, set(map(len, bare.ttft_added.values()))) == ([], {}, {0})
+    assert (bare.engine_peaks, bare.ratios, set(map(len, bare.ttft_added.values())), bare.ceiling_client) == ([], {}, {0}, "")
     assert plot(bare, tmp_path / "bare.png").stat().st_size > 0
 
 

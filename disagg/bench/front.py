@@ -733,7 +733,8 @@ def figure(rows: list[Level], ceilings: list[CeilingRound]) -> FrontFigure:
         engine_peaks=[max(c.engine.values()) for c in ceilings],
         ratios={front: [c.ratio(front) for c in ceilings] for front in fronts},
         ttft_added={path: _differences(rounds, path, DIRECT)[0] for path in (*FRONTS, COALESCED, FLOOR)},
-        ceiling_target=CEILING_TARGET, ttft_target_ms=TTFT_TARGET_MS)
+        ceiling_target=CEILING_TARGET, ttft_target_ms=TTFT_TARGET_MS,
+        ceiling_client=", ".join(sorted({level.client for c in ceilings for level in c.fronts.values()})))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ class FrontFigure:
     ttft_added: dict[str, list[float]]  # path -> TTFT it added to the engines called directly, ms, by alternated round
     ceiling_target: float  # times the engine's peak
     ttft_target_ms: float
+    ceiling_client: str = ""  # what drove the ceiling rounds' paths
 
 
 def plot(figure: FrontFigure, path: Path) -> Path | None:
@@ -44,7 +45,7 @@ def plot(figure: FrontFigure, path: Path) -> Path | None:
         by_streams.axhline(peak, color="black", linewidth=1, label=f"computing decode engine's peak ({peak:.0f}, median)")
         by_streams.axhline(figure.ceiling_target * peak, color="black", linestyle="--", linewidth=1,
                            label=f"ceiling target ({figure.ceiling_target:g}x it)")
-    by_streams.set(title="tokens/s by concurrent streams", xlabel="streams (log scale)", ylabel="output tokens/s")
+    by_streams.set(title="tokens/s by concurrent streams (this bench's client)", xlabel="streams (log scale)", ylabel="output tokens/s")
     by_streams.set_xscale("log", base=2)
     levels = sorted({streams for points in figure.tokens.values() for streams, _ in points})
     by_streams.set_xticks(levels, [str(n) for n in levels])
@@ -55,7 +56,8 @@ def plot(figure: FrontFigure, path: Path) -> Path | None:
         by_round.axhline(figure.ceiling_target, color="black", linestyle="--", linewidth=1, label="target")
         by_round.set_xticks(range(1, max(len(r) for r in figure.ratios.values()) + 1))
         by_round.legend(fontsize=7)
-    by_round.set(title="ceiling rounds: tokens/s / the engine's peak in that round", xlabel="round", ylabel="x the engine's peak")
+    driven = f" ({figure.ceiling_client})" if figure.ceiling_client else ""
+    by_round.set(title=f"ceiling rounds{driven}: tokens/s / the engine's peak", xlabel="round", ylabel="x the engine's peak in that round")
     added = {name: values for name, values in figure.ttft_added.items() if values}
     if added:
         boxes = first_token.boxplot(list(added.values()), patch_artist=True)
@@ -64,9 +66,10 @@ def plot(figure: FrontFigure, path: Path) -> Path | None:
         first_token.set_xticks(range(1, len(added) + 1), list(added), rotation=15, fontsize=7)
         first_token.axhline(figure.ttft_target_ms, color="black", linestyle="--", linewidth=1, label=f"target ({figure.ttft_target_ms:g} ms)")
         first_token.legend(fontsize=7)
-    first_token.set(title="TTFT added, one request right after one on its path (alternated rounds)", ylabel="ms over the engines called directly")
+    first_token.set(title="TTFT added, one request after one on its path", ylabel="ms over the engines called directly")
     for ax in (by_streams, by_round, first_token):
         ax.grid(alpha=0.3)
+        ax.title.set_fontsize(10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
