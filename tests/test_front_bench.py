@@ -60,17 +60,30 @@ def test_time_per_token_counts_every_token_of_a_coalesced_response():
 
 
 def test_a_perf_analyzer_row_counts_the_tokens_of_the_window_in_which_every_stream_was_busy():
-    """Requests sent at 0, 0 and 1 s: the window is 0-1 s; a response carrying no token (the final) is no
-    response of the row's, one carrying three counts three."""
+    """Two streams: requests sent at 0 and 0, one at 0.6 answered with nothing, one at 1 s: both streams are in
+    flight from 0 to 1 s. A response carrying no token (the final) is no response of the row's, one carrying
+    three counts three."""
     run = PerfRun([Exported(0.0, (0.1, 0.3, 0.5, 0.6), (1, 1, 1, 0)), Exported(0.0, (0.2, 0.4, 1.5), (1, 3, 1)),
-                   Exported(1.0, (1.1, 1.2), (1, 1))], cpu_s=0.5)
-    row = perf_level("tensorrt_llm_bls", 2, run, {"tritonserver": 0.9, "perf_analyzer": 0.5})
-    assert row.tokens_per_s == pytest.approx(7 / 1.0)  # 1.1 and 1.2 came after the last request was sent, 1.5 too
-    assert (row.completed, row.client, row.errors) == (3, "perf_analyzer", 0)
+                   Exported(0.6, (), ()), Exported(1.0, (1.1, 1.2), (1, 1))], cpu_s=0.5)
+    row = perf_level("tensorrt_llm_bls", 2, run, {"tritonserver": 0.9})
+    assert row.tokens_per_s == pytest.approx(7 / 1.0)  # 1.1 and 1.2 came after the window, 1.5 too
+    assert (row.completed, row.errors, row.client) == (3, 1, "perf_analyzer")
     assert row.ttft_ms == pytest.approx(100.0)  # 100, 200 and 100 ms
     assert row.gap_ms == pytest.approx(200.0)  # each request's mean gap between its token responses: 200, 650, 100
     assert row.token_ms == pytest.approx(200.0)  # after the first response: 400 / 2 = 200, 1300 / 4 = 325, 100
     assert row.cpu_ms_per_token == pytest.approx({"tritonserver": 900 / 10, "perf_analyzer": 500 / 10})  # 10 tokens in all
+
+
+def test_perf_analyzer_s_window_ends_when_a_stream_is_no_longer_refilled():
+    """perf_analyzer splits its requests among its threads, and a thread whose share is sent stops refilling its
+    streams: three streams, refilled at 1 and 2 s, not at 3."""
+    ended = [Exported(0.0, (1.0,), (1,)), Exported(0.0, (2.0,), (1,)), Exported(0.0, (3.0,), (1,)),
+             Exported(1.0, (4.0,), (1,)), Exported(2.0, (5.0,), (1,))]
+    assert PerfRun(ended, 0.0).window(3) == (0.0, 2.0)
+    assert PerfRun(ended, 0.0).window(4) == (0.0, 2.0)  # never that many: the first request sent to the last
+    doc = {"experiments": [{"requests": [{"timestamp": 2_000_000_000, "response_timestamps": [2_500_000_000, 3_000_000_000],
+                                          "response_outputs": [{"num_output_tokens": 2}, {}]}]}]}
+    assert read_export(doc, "text") == [Exported(2.0, (2.5, 3.0), (2, 0))]  # an output missing counts no token
 
 
 @pytest.mark.e2e
@@ -219,6 +232,18 @@ def test_the_front_ceiling_is_given_per_round_against_the_engine_timed_in_that_r
         "    ensemble                    ceiling at 3x in 0 of 3 rounds (not met)",
         "    tensorrt_llm_bls            ceiling at 3x in 2 of 3 rounds (not met)",
         "  bounds on this machine: the engines called directly (prefill + decode) serve 4.17x to 5.00x the computing decode engine's peak"]
+    # perf_analyzer's rows, the levels it chose from, are no rows of the Driver's comparisons
+    assert summary(rows + [replace(rows[0], tokens_per_s=9999.0, client="perf_analyzer")], ceilings) == summary(rows, ceilings)
+    # under perf_analyzer the bound is an engine called directly, one request each
+    by_perf = [CeilingRound(c.round, c.engine, {("aggregated_engine" if f == "prefill + decode" else f):
+                                                replace(level, client="perf_analyzer") for f, level in c.fronts.items()})
+               for c in ceilings]
+    lines = summary(rows, by_perf)
+    start = lines.index("  the computing decode engine's best tokens/s by round (bench-100mb, batch 16 or 64): 400, 600, 300; "
+                        "the paths' load driven by perf_analyzer")
+    assert lines[start + 2].endswith("2 of 3 rounds at 3x or more; 0.60 of the engines called directly (aggregated_engine) in the same round (median)")
+    assert lines[start + 3].startswith("  without a front (aggregated_engine, 64 streams) / the computing decode engine's best, 3 rounds: median 5.00x")
+    assert lines[-1] == "  bounds on this machine: the engines called directly (aggregated_engine) serve 4.17x to 5.00x the computing decode engine's peak"
     lines = summary(rows, [])
     assert lines[0] == "  tensorrt_llm_bls / prefill + decode tokens/s by streams: 64: 0.50"  # no line for a path not measured
     rounds = [Level(path, 1, 0.0, ttft, 21.0, token, 1, 0, round=i) for i, (path, ttft, token) in enumerate(
@@ -257,8 +282,8 @@ def test_the_figure_shows_each_path_by_streams_each_ceiling_round_and_each_round
     rounds = [Level(path, 1, 0.0, ttft, 21.0, 21.0, 1, 0, round=i) for i, path, ttft in (
         (0, "tensorrt_llm_bls", 27.5), (0, "prefill + decode", 26.0), (0, "front_floor", 27.0),
         (1, "prefill + decode", 25.0), (1, "tensorrt_llm_bls", 27.0), (1, "front_floor", 26.0))]
-    shown = figure(rows + rounds, ceilings)
-    assert shown.tokens == {"tensorrt_llm_bls": [(1, 45.0), (64, 1200.0)], "prefill + decode": [(1, 48.0), (64, 2400.0)]}
+    shown = figure(rows + rounds + [replace(rows[1], streams=256, client="perf_analyzer")], ceilings)
+    assert shown.tokens == {"tensorrt_llm_bls": [(1, 45.0), (64, 1200.0)], "prefill + decode": [(1, 48.0), (64, 2400.0)]}  # the Driver's
     assert shown.engine_peaks == [400.0, 500.0]
     assert shown.ratios == {"tensorrt_llm_bls": [2.5, 3.2], "prefill + decode": [5.0, 5.0]}
     assert shown.ttft_added == {"ensemble": [], "tensorrt_llm_bls": [1.5, 2.0], COALESCED: [], "front_floor": [1.0, 1.0]}

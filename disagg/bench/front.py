@@ -33,9 +33,10 @@ the engines' own: `--ceiling-rounds` rounds, each timing the decode tokens/s of 
 most, in turn (the first rotating), and the engines called directly at theirs: no front serves more than they
 do in the same round, so each front's share of them says how far it is from the bound. perf_analyzer, Triton's
 C++ load generator (the one genai-perf runs), drives those rounds (`--ceiling-client`; disagg.bench.perf_load),
-each front at the level where perf_analyzer served it most, timed once per level before the rounds; its bound is
-aggregated_engine called directly, since it cannot hand prefill's answer to decode (`--ceiling-client python`:
-this bench's client, each front at its row's best level, and the prefill + decode bound). This machine's speed
+each front at the level where perf_analyzer served it most, timed once per level above one stream before the
+rounds; its bound is aggregated_engine called directly, since it cannot hand prefill's answer to decode
+(`--ceiling-client python`: this bench's client, each front at its row's best level, and the prefill + decode
+bound). This machine's speed
 moves by up to 2x over minutes, which a ratio of figures timed minutes apart takes for the front's; within a
 round it moves both alike, so the ratio is given per round, with the median. Last, `--alternate` rounds of one
 request on each path in turn give the one-stream comparison again, as the median of the rounds' differences
@@ -88,14 +89,14 @@ from tools.stream_client import build_inputs, end_stream
 
 LEVELS = (1, 16, 64, 256)
 DIRECT = "prefill + decode"  # the engines called directly: no front serves more than they do beside it
-PATHS = ("ensemble", "tensorrt_llm_bls", DIRECT, "aggregated", "aggregated_engine")
+ENGINE_DIRECT = "aggregated_engine"  # an engine called directly, one request each: the bound perf_analyzer can drive
+PATHS = ("ensemble", "tensorrt_llm_bls", DIRECT, "aggregated", ENGINE_DIRECT)
 FLOOR = "front_floor"  # a path of the alternated rounds only: it answers the first token, no more
 COALESCED = "tensorrt_llm_bls_coalesced"  # tensorrt_llm_bls with coalesce_backlog (`install_coalesced`)
 TEXT_PATHS = ("ensemble", "tensorrt_llm_bls", "aggregated", COALESCED)
 PROMPT = "It was the best of times, it was the worst of times, it was the age of wisdom"
 CEILING_BATCHES = [16, 64]  # the computing decode engine's batches timed beside the front
 FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts that stream through both engines
-ENGINE_DIRECT = "aggregated_engine"  # an engine called directly, one request each: the bound perf_analyzer can drive
 # The paths a ceiling round times (those of a run's paths), by its load generator: the text fronts and, as the
 # bound no front passes, the engines called directly (perf_analyzer cannot hand prefill's answer to decode).
 CEILING_PATHS = {"perf_analyzer": (*FRONTS, COALESCED, ENGINE_DIRECT), "python": (*FRONTS, COALESCED, DIRECT)}
@@ -109,6 +110,10 @@ CEILING_TARGET = 3.0  # a front's ceiling should be this many times the engine's
 TTFT_TARGET_MS = 1.5  # the most TTFT a front should add to the engines called directly, one request at a time
 TOKEN_TARGET_MS = 0.1  # the most time per token it should add, one request at a time
 MAX_WINDOW_S = 60.0  # a row's window at most, however few requests it has completed
+PERF_TIMEOUT_S = 600.0  # a perf_analyzer run at most
+# perf_analyzer's window, in rows' `seconds`: requests of equal length started together end together, so the
+# streams turn over in waves (at 256 streams about 5 s each here), and a window one row long held one or two.
+PERF_WINDOWS = 2
 DRAIN_S = 30.0  # after a window: how long requests still in flight may take to finish
 
 
@@ -223,7 +228,7 @@ class Level:
     # An alternated round's warm-up: the TTFT of the request on the path just before the one measured, the first
     # there after the path sat idle while the others ran.
     idle_ttft_ms: float = float("nan")
-    client: str = "python"  # what drove the row: the Driver, or "perf_analyzer" (a ceiling round's)
+    client: str = "python"  # what drove the row: the Driver, or "perf_analyzer" (the ceiling rounds and their levels)
 
 
 @dataclass
@@ -338,9 +343,9 @@ class Driver:
             self.flights[request_id] = Flight(now, "text", measured)
             inputs = build_inputs(PROMPT, self.max_tokens, end_id=NO_END_ID)
             self.client.async_stream_infer(self.path, inputs, request_id=request_id, enable_empty_final_response=True)
-        elif self.path == "aggregated_engine":
+        elif self.path == ENGINE_DIRECT:
             self.flights[request_id] = Flight(now, "engine", measured)
-            self._send_engine("aggregated_engine", request_id, "context_and_generation", None)
+            self._send_engine(ENGINE_DIRECT, request_id, "context_and_generation", None)
         elif self.path == FLOOR:
             self.flights[request_id] = Flight(now, "engine", measured)
             self._send_engine(FLOOR, request_id, "context_and_generation", None)  # front_floor asks for one token
@@ -416,26 +421,30 @@ def _row_line(r: Level) -> str:
     return f"  {r.path:<27}{r.streams:>8}{r.tokens_per_s:>11.0f}{r.ttft_ms:>10.2f}{r.gap_ms:>9.3f}{r.token_ms:>11.3f}{r.completed:>10}{r.errors:>8}"
 
 
-def perf_level(path: str, streams: int, run: perf_load.PerfRun, cpu_s: dict[str, float]) -> Level:
+def perf_level(path: str, streams: int, run: perf_load.PerfRun, server_cpu_s: dict[str, float]) -> Level:
     """A row of perf_analyzer's run, counted as the Driver counts its own: the tokens received in the window
-    in which every stream was busy, and the TTFT, gap and time per token of the requests sent in it; CPU
-    (`cpu_s`, by process, over the whole run) per token received in the whole run."""
-    start, end = run.window
-    flights = [Flight(r.sent, "perf_analyzer", stamps=[t for t, n in zip(r.stamps, r.tokens) if n], counts=[n for n in r.tokens if n])
+    in which all `streams` were in flight, and the TTFT, gap and time per token of every request answered;
+    CPU per token received in the whole run: the server's processes and this one (`server_cpu_s`, over the
+    run) and perf_analyzer's own. A request answered with no token counts as an error."""
+    start, end = run.window(streams)
+    phase = "engine" if path == ENGINE_DIRECT else "text"
+    flights = [Flight(r.sent, phase, stamps=[t for t, n in zip(r.stamps, r.tokens) if n], counts=[n for n in r.tokens if n])
                for r in run.requests]
     answered = [f for f in flights if f.stamps]
     in_window = sum(n for f in flights for t, n in zip(f.stamps, f.counts) if start <= t <= end)
-    cpu = {name: s * 1e3 / max(1, sum(map(sum, (f.counts for f in flights)))) for name, s in cpu_s.items()}
+    tokens = max(1, sum(map(sum, (f.counts for f in flights))))
+    cpu = {name: s * 1e3 / tokens for name, s in {**server_cpu_s, "perf_analyzer": run.cpu_s}.items()}
     return Level(path, streams, in_window / max(end - start, 1e-9), _median_ms([f.stamps[0] - f.sent for f in answered]),
                  _median_ms([float(np.mean(np.diff(f.stamps))) for f in answered if len(f.stamps) > 1]),
-                 _median_ms([f.per_token_s() for f in answered if len(f.stamps) > 1]), len(answered), 0, cpu,
-                 client="perf_analyzer")
+                 _median_ms([f.per_token_s() for f in answered if len(f.stamps) > 1]), len(answered),
+                 len(flights) - len(answered), cpu, client="perf_analyzer")
 
 
 def perf_driver(server, ids: list[int], max_tokens: int, seconds: float, workdir: Path) -> Callable[[Level], Level]:
-    """Drives a text front or ENGINE_DIRECT with perf_analyzer as the Driver drove it in `row`: the same requests,
-    the same streams kept in flight, and as many requests as keep them busy for `seconds` at the row's rate;
-    the CPU each process of the server, this one and perf_analyzer spent."""
+    """Drives a text front or ENGINE_DIRECT with perf_analyzer at the streams of the Driver's `row`: the same
+    requests, and as many as keep the streams busy for PERF_WINDOWS x `seconds` at the row's rate (the
+    Driver's `min_requests` has no part in it); the CPU each process of the server, this one ("bench", idle
+    but for its stream) and perf_analyzer spent."""
     def drive(row: Level) -> Level:
         path, streams = row.path, row.streams
         if path in TEXT_PATHS:
@@ -447,12 +456,12 @@ def perf_driver(server, ids: list[int], max_tokens: int, seconds: float, workdir
             raise ValueError(f"perf_analyzer drives a text front or {ENGINE_DIRECT}, not {path}")
         before = cpu_seconds(server.process.pid)
         expected_s = streams * max_tokens / max(row.tokens_per_s, 1.0)  # a request's time in flight, at the row's rate
-        requests = streams + max(streams, math.ceil(row.tokens_per_s / max_tokens * seconds))
-        run = perf_load.run(server.grpc_url, path, streams, requests, data, kind, workdir, timeout_s=120 + 10 * (expected_s + seconds),
-                            parameters=parameters)
+        requests = streams + max(streams, math.ceil(row.tokens_per_s / max_tokens * seconds * PERF_WINDOWS))
+        run = perf_load.run(server.grpc_url, path, streams, requests, data, kind, workdir,
+                            timeout_s=min(PERF_TIMEOUT_S, 120 + 10 * (expected_s + seconds * PERF_WINDOWS)), parameters=parameters)
         after = cpu_seconds(server.process.pid)
-        return perf_level(path, streams, run, {**{name: after[name] - before.get(name, 0.0) for name in after},
-                                               "perf_analyzer": run.cpu_s})
+        used = {("bench" if name == "client" else name): after[name] - before.get(name, 0.0) for name in after}
+        return perf_level(path, streams, run, used)
     return drive
 
 
@@ -471,6 +480,8 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
 
+    if ceiling_rounds and ceiling_client == "perf_analyzer":
+        perf_load.command()  # missing, it fails now, not after the rows
     spec = front_spec(config, out, max(levels), coalesce_backlog)
     build(spec, log=lambda _msg: None)
     install_floor(spec.model_repository)
@@ -624,7 +635,7 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     by = {(r.path, r.streams): r for r in rows}
     lines = []
     for front, direct in (("ensemble", DIRECT), ("tensorrt_llm_bls", DIRECT), (COALESCED, DIRECT),
-                          ("aggregated", "aggregated_engine")):
+                          ("aggregated", ENGINE_DIRECT)):
         one_f, one_d = by.get((front, 1)), by.get((direct, 1))
         if one_f and one_d:
             lines.append(f"  {front} vs {direct}, 1 stream: TTFT {one_f.ttft_ms - one_d.ttft_ms:+.2f} ms, per token "
@@ -651,14 +662,24 @@ def summary(rows: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     return lines + against_targets(rounds, ceilings)
 
 
+def _bound(ceilings: list[CeilingRound]) -> str | None:
+    """The ceiling rounds' path without a front: the engines called directly."""
+    return next((b for b in BOUNDS if ceilings and b in ceilings[0].fronts), None)
+
+
+def _clients(ceilings: list[CeilingRound]) -> str:
+    """What drove the ceiling rounds' paths."""
+    return ", ".join(sorted({level.client for c in ceilings for level in c.fronts.values()}))
+
+
 def _ceiling(ceilings: list[CeilingRound]) -> list[str]:
     """The engine's peak by round, then each path's tokens/s against it."""
     engine = [max(c.engine.values()) for c in ceilings]
     timed = ceilings[0].fronts
     lines = [f"  the {ENGINE}'s best tokens/s by round (bench-100mb, batch {' or '.join(map(str, CEILING_BATCHES))}): "
              + ", ".join(f"{rate:.0f}" for rate in engine)
-             + f"; the paths' load driven by {', '.join(sorted({level.client for level in timed.values()}))}"]
-    bound = next((b for b in BOUNDS if b in timed), None)
+             + f"; the paths' load driven by {_clients(ceilings)}"]
+    bound = _bound(ceilings)
     for front in ordered(timed):
         ratios = [c.ratio(front) for c in ceilings]
         served = [c.fronts[front].tokens_per_s for c in ceilings]
@@ -678,7 +699,8 @@ def _ceiling(ceilings: list[CeilingRound]) -> list[str]:
 def against_targets(rounds: list[Level], ceilings: list[CeilingRound]) -> list[str]:
     """Each text front against the three targets, a line each, then what bounds them on this machine:
     front_floor's TTFT (the least one Python model and one engine hop add) and the engines called directly in
-    the ceiling rounds (no front spending CPU on the same cores serves more)."""
+    the ceiling rounds, prefill + decode or aggregated_engine (no front spending CPU on the same cores serves
+    more)."""
     def verdict(met: bool) -> str:
         return "met" if met else "not met"
 
@@ -711,7 +733,7 @@ def against_targets(rounds: list[Level], ceilings: list[CeilingRound]) -> list[s
     if floor:
         idle, _ = _differences(rounds, FLOOR, DIRECT, "idle_ttft_ms")
         bounds.append(f"{FLOOR} adds {np.median(floor):+.2f} ms of TTFT" + (f" ({np.median(idle):+.2f} after idling)" if idle else ""))
-    if ceilings and (bound := next((b for b in BOUNDS if b in ceilings[0].fronts), None)):
+    if ceilings and (bound := _bound(ceilings)):
         ratios = [c.ratio(bound) for c in ceilings]
         bounds.append(f"the engines called directly ({bound}) serve {min(ratios):.2f}x to {max(ratios):.2f}x the {ENGINE}'s peak")
     header = (f"  against the targets (one request at a time after one on the same path, the medians of the alternated rounds against {DIRECT}: TTFT added "
@@ -734,7 +756,7 @@ def figure(rows: list[Level], ceilings: list[CeilingRound]) -> FrontFigure:
         ratios={front: [c.ratio(front) for c in ceilings] for front in fronts},
         ttft_added={path: _differences(rounds, path, DIRECT)[0] for path in (*FRONTS, COALESCED, FLOOR)},
         ceiling_target=CEILING_TARGET, ttft_target_ms=TTFT_TARGET_MS,
-        ceiling_client=", ".join(sorted({level.client for c in ceilings for level in c.fronts.values()})))
+        ceiling_client=_clients(ceilings))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,10 @@ beside the venv's python, as `.ci/run` does.
 
 perf_analyzer sends a set number of requests (`--request-count`), each next one as an answer ends, and exports
 every request with its responses' timestamps and outputs. (Its time windows count only the requests answered
-within each, and at 256 streams a request through the ensemble takes 10 s here.) The window counted is the one
-in which it kept every stream busy: from its first request sent to its last (after that it only waits for the
-answers), as the Driver counts its own.
+within each, and at 256 streams a request through the ensemble takes 10 s here.) It splits the count among its
+threads, each of which stops sending once its share is sent, so towards the end fewer streams are in flight.
+The window counted is the one in which all of them were, as the Driver counts its own: from the first moment
+all were in flight to the last.
 """
 from __future__ import annotations
 
@@ -47,11 +48,19 @@ class PerfRun:
     requests: list[Exported]
     cpu_s: float  # perf_analyzer's own CPU time
 
-    @property
-    def window(self) -> tuple[float, float]:
-        """First request sent -> last sent: every stream kept busy."""
-        sent = [r.sent for r in self.requests]
-        return min(sent), max(sent)
+    def window(self, streams: int) -> tuple[float, float]:
+        """The first and the last moment `streams` requests were in flight (sent, not answered in full); the
+        first request sent -> the last if there never were that many."""
+        events = sorted([(r.sent, 1) for r in self.requests] + [(r.stamps[-1] if r.stamps else r.sent, -1) for r in self.requests])
+        in_flight, full = 0, []
+        for at, change in events:
+            in_flight += change
+            if in_flight >= streams:
+                full.append(at)
+        if not full:
+            sent = [r.sent for r in self.requests]
+            return min(sent), max(sent)
+        return full[0], full[-1]
 
 
 def command() -> tuple[Path, dict[str, str]]:
@@ -102,7 +111,10 @@ def run(url: str, model: str, streams: int, requests: int, data: dict, kind: str
     for name, value in (parameters or {}).items():
         cmd += ["--request-parameter", f"{name}:{value}:string"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"perf_analyzer on {model} x{streams} ran past {timeout_s:.0f} s") from None
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0 or not export.is_file():
         raise RuntimeError(f"perf_analyzer on {model} x{streams} failed ({done.returncode}):\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
