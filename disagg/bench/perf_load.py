@@ -3,9 +3,9 @@
 The bench's own client (disagg.bench.front's Driver) is Python: every request on one gRPC stream, a callback
 per response. Through tensorrt_llm_bls at 256 streams it spends 0.10-0.12 ms of CPU per token on the two cores
 the server runs on, a fifth of what the whole path costs there. perf_analyzer, Triton's C++ load generator
-(the one genai-perf runs), spent 0.055-0.058 side by side, and spreads its streams over a few connections.
-Neither is free and they load the server differently: side by side, the BLS at 256 streams served 1.18-1.25x
-the tokens/s under perf_analyzer, the aggregated engine called directly 0.80-0.81x, and at 64 streams each
+(the one genai-perf runs), spent 0.05-0.06 side by side, and spreads its streams over a few connections.
+Neither is free and they load the server differently: side by side, the BLS at 256 streams served 1.09-1.34x
+the tokens/s under perf_analyzer, the aggregated engine called directly 0.71-0.81x, and at 64 streams each
 served as much under both (docs/measurements.md). perf_analyzer is what a Triton user measures with, so it
 drives the ceiling rounds. It ships in the tritonclient 2.51.0 wheel; tools/install_perf_analyzer.sh puts it
 beside the venv's python, as `.ci/run` does.
