@@ -5,13 +5,11 @@ token, with the text the ensemble gives any other client. `tools/install_perf_an
 """
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from disagg.bench.perf_load import command
+from disagg.bench.perf_load import export
 from tools.stream_client import stream
 
 pytestmark = pytest.mark.e2e
@@ -30,17 +28,10 @@ def server(cpu_tiny_project, start_triton):
 
 def run(server, model: str, workdir: Path, concurrency: int) -> list[dict]:
     """perf_analyzer's profile export: one entry per request, with its responses' outputs."""
-    binary, env = command()
-    data = workdir / "inputs.json"
-    data.write_text(json.dumps({"data": [{"text_input": [PROMPT], "max_tokens": [TOKENS], "exclude_input_in_output": [True],
-                                          "stream": [True], "min_length": [TOKENS]}]}))
-    export = workdir / f"{model}-c{concurrency}.json"
-    cmd = [str(binary), "-m", model, "-i", "grpc", "--async", "--streaming", "-u", server.grpc_url, "--service-kind", "triton",
-           "--input-data", str(data), "--request-count", str(REQUESTS), "--concurrency-range", str(concurrency),
-           "--profile-export-file", str(export)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [experiment] = json.loads(export.read_text())["experiments"]
+    data = {"data": [{"text_input": [PROMPT], "max_tokens": [TOKENS], "exclude_input_in_output": [True],
+                      "stream": [True], "min_length": [TOKENS]}]}
+    doc, _ = export(server.grpc_url, model, concurrency, REQUESTS, data, workdir, timeout_s=120)
+    [experiment] = doc["experiments"]
     return experiment["requests"]
 
 

@@ -96,18 +96,19 @@ def read_export(doc: dict, kind: str) -> list[Exported]:
             for r in experiment["requests"]]
 
 
-def run(url: str, model: str, streams: int, requests: int, data: dict, kind: str, workdir: Path, timeout_s: float,
-        parameters: dict[str, str] | None = None) -> PerfRun:
-    """`requests` requests of `model`, `streams` kept in flight over gRPC streaming; `parameters` are sent with
-    each request as string parameters."""
+def export(url: str, model: str, streams: int, requests: int, data: dict, workdir: Path, timeout_s: float,
+           parameters: dict[str, str] | None = None) -> tuple[dict, float]:
+    """`requests` requests of `model` with the inputs `data`, `streams` kept in flight over gRPC streaming;
+    `parameters` are sent with each request as string parameters. perf_analyzer's profile export, and the CPU
+    seconds it spent."""
     binary, env = command()
     workdir.mkdir(parents=True, exist_ok=True)
-    inputs, export = workdir / f"{model}-inputs.json", workdir / f"{model}-c{streams}.json"
+    inputs, exported = workdir / f"{model}-inputs.json", workdir / f"{model}-c{streams}.json"
     inputs.write_text(json.dumps(data))
-    export.unlink(missing_ok=True)
+    exported.unlink(missing_ok=True)
     cmd = [str(binary), "-m", model, "-i", "grpc", "--async", "--streaming", "-u", url, "--service-kind", "triton",
            "--input-data", str(inputs), "--concurrency-range", str(streams), "--request-count", str(requests),
-           "--profile-export-file", str(export)]
+           "--profile-export-file", str(exported)]
     for name, value in (parameters or {}).items():
         cmd += ["--request-parameter", f"{name}:{value}:string"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -116,7 +117,13 @@ def run(url: str, model: str, streams: int, requests: int, data: dict, kind: str
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"perf_analyzer on {model} x{streams} ran past {timeout_s:.0f} s") from None
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0 or not export.is_file():
+    if done.returncode != 0 or not exported.is_file():
         raise RuntimeError(f"perf_analyzer on {model} x{streams} failed ({done.returncode}):\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return PerfRun(read_export(json.loads(export.read_text()), kind), cpu)
+    return json.loads(exported.read_text()), (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def run(url: str, model: str, streams: int, requests: int, data: dict, kind: str, workdir: Path, timeout_s: float,
+        parameters: dict[str, str] | None = None) -> PerfRun:
+    """`export`'s run, its requests read as `kind` ("text" or "engine") counts their tokens."""
+    doc, cpu = export(url, model, streams, requests, data, workdir, timeout_s, parameters)
+    return PerfRun(read_export(doc, kind), cpu)
