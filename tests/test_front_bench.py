@@ -18,6 +18,7 @@ from engine_helpers import EngineFactory
 from disagg.bench.front import (COALESCED, PATHS, PROMPT, CeilingRound, Driver, Flight, Level, figure, front_spec, measure, median_interval,
                                 perf_level, rotated, summary)
 from disagg.bench.perf_load import Exported, PerfRun, read_export
+from disagg.bench.first_token_trace import SEGMENTS
 from disagg.bench.front_plot import plot
 from disagg.engine.engine import ContextPhase, LLMEngine, Request
 from disagg.engine.no_compute import skipped_compute
@@ -142,10 +143,11 @@ def test_the_front_bench_measures_every_path_without_errors(tmp_path, capsys):
 
 
 @pytest.mark.e2e
-def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_whole_window(tmp_path):
-    """One stream with 20 ms steps: a 16-token request takes about 0.33 s, so a 0.01 s window would hold one."""
+def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_whole_window(tmp_path, capsys):
+    """One stream with 20 ms steps: a 16-token request takes about 0.33 s, so a 0.01 s window would hold one. Triton
+    traces the alternated rounds (`trace`)."""
     (row, *rounds), ceilings = measure(ROOT / "configs/cpu-tiny.yaml", tmp_path / "front", (1,), 0.01, 16, step_ms=20.0,
-                                       paths=("prefill + decode",), min_requests=6, alternate=3)
+                                       paths=("prefill + decode",), min_requests=6, alternate=3, trace=True)
     assert ceilings == []
     assert row.errors == 0 and 6 <= row.completed <= 7, row
     # each round: one request on each path and on front_floor, the first path rotating
@@ -159,6 +161,18 @@ def test_a_row_runs_until_its_minimum_of_requests_and_counts_its_rate_over_the_w
     assert "front_floor vs prefill + decode, one request at a time, alternated (3 rounds): TTFT " in "\n".join(summary([row, *rounds], []))
     assert 35 < row.tokens_per_s < 52, row  # one token per 20 ms step and a little more, over the window it ran
     assert 19 < row.gap_ms < 30, row
+    # each measured request of the rounds, split at Triton's stamps (the warm-ups and the level's requests were not
+    # traced): the engine's part is its 20 ms step, each of the rest a fraction of it, all of it within the TTFT
+    # the client saw
+    found = json.loads((tmp_path / "front/first_token.json").read_text())
+    assert {path: [list(s) for s in segments] for path, segments in found.items()} == {
+        "prefill + decode": [["server in", "engine", "server out"]] * 3, "front_floor": [list(SEGMENTS)] * 3}
+    for path, segments in found.items():
+        ttfts = sorted(r.ttft_ms for r in rounds if r.path == path)
+        assert all(19 < s["engine"] < 60 for s in segments), segments
+        assert all(0 <= v < 10 for s in segments for name, v in s.items() if name != "engine"), segments
+        assert sorted(sum(s.values()) for s in segments)[-1] < ttfts[-1], (segments, ttfts)
+    assert "where the first token's time goes inside the server" in capsys.readouterr().out
 
 
 def test_the_driver_lets_go_of_a_server_that_stopped_answering(tmp_path):

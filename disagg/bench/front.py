@@ -48,7 +48,10 @@ docs/measurements.md), which the engines, serving every path, never do. That war
 ("after idling"). front_floor's rounds say how much of tensorrt_llm_bls's added TTFT any Python model and engine hop would
 add here, and how much is its own; so does each front model's `disagg_first_hop_seconds` over those rounds (a
 request's arrival in it -> its first engine request sent: validating, tokenizing, routing, the send), printed
-after them. The summary ends with each text front against the front's targets (TTFT added
+after them. With `--trace`, Triton traces those rounds' requests (tensorrt_llm_bls, the coalescing BLS,
+front_floor and prefill) and the summary says where each path's first token spent its time inside the server,
+segment by segment between Triton's own stamps (disagg.bench.first_token_trace): what any Python model and HTTP
+hop cost there, against what the front's own code does. The summary ends with each text front against the front's targets (TTFT added
 <= 1.5 ms and time per token <= 0.1 ms at one stream, from the alternated rounds; 3x the engine's peak in every
 ceiling round), a line each, and the bounds this machine sets them: front_floor's TTFT and the engines called
 directly in the ceiling rounds.
@@ -78,7 +81,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tqdm import tqdm
 
-from disagg.bench import perf_load
+from disagg.bench import first_token_trace, perf_load
 from disagg.bench.front_plot import FrontFigure, plot
 from disagg.engine.no_compute import skipped_compute
 from disagg.engine.sampling import NO_END_ID
@@ -102,6 +105,9 @@ FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts th
 CEILING_PATHS = {"perf_analyzer": (*FRONTS, COALESCED, ENGINE_DIRECT), "python": (*FRONTS, COALESCED, DIRECT)}
 BOUNDS = (DIRECT, ENGINE_DIRECT)
 ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
+# The models whose requests `--trace` has Triton trace, and the path each one's serve: the fronts that hop to
+# prefill over HTTP, and prefill, which the direct path calls first (disagg.bench.first_token_trace).
+TRACED = {"tensorrt_llm_bls": "tensorrt_llm_bls", COALESCED: COALESCED, FLOOR: FLOOR, first_token_trace.ENGINE: DIRECT}
 FIRST_HOP = "disagg_first_hop_seconds"  # an orchestrator's time from a request's arrival to its first engine request
 # The model of each path whose stub times that (the ensembles' orchestrators, the BLS models).
 FIRST_HOP_MODEL = {"ensemble": "disagg_orchestrator", "tensorrt_llm_bls": "tensorrt_llm_bls", "aggregated": "aggregated_orchestrator",
@@ -278,6 +284,7 @@ class Driver:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._count = 0
+        self.measured_ids: set[str] = set()  # of every request measured so far, for their traces (`--trace`)
         self._reset("ensemble", 0.0)
 
     def _reset(self, path: str, until: float, max_requests: int | None = None, warm: int = 0) -> None:
@@ -404,6 +411,7 @@ class Driver:
             self.idle_ttfts.append(flight.stamps[0] - flight.sent)
         elif not failed and flight.stamps and flight.sent >= self.window[0]:
             self.ttfts.append(flight.stamps[0] - flight.sent)
+            self.measured_ids.add(request_id)
             if len(flight.stamps) > 1:
                 self.gaps.append(float(np.mean(np.diff(flight.stamps))))
                 self.per_token.append(flight.per_token_s())
@@ -468,14 +476,16 @@ def perf_driver(server, ids: list[int], max_tokens: int, seconds: float, workdir
 def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, max_tokens: int, step_ms: float = 0.0,
             coalesce_backlog: int = 0, paths: tuple[str, ...] = PATHS, min_requests: int = 0, alternate: int = 0,
             ceiling_rounds: int = 0, engine_peak: Callable[[], dict[int, float]] | None = None, coalesced_bls: int = 0,
-            ceiling_client: str = "perf_analyzer") -> tuple[list[Level], list[CeilingRound]]:
+            ceiling_client: str = "perf_analyzer", trace: bool = False) -> tuple[list[Level], list[CeilingRound]]:
     """A row per level and path (and COALESCED, with `coalesced_bls`: its coalesce_backlog); then `ceiling_rounds`
     rounds of `engine_peak` (the computing decode engine's tokens/s by batch) and each path of
     CEILING_PATHS[ceiling_client] among the paths at its best level, driven by `ceiling_client`; then, with `alternate`, that many
     rounds of one request on each path and front_floor in turn (the first path rotating), each a row of its own
     with its `round`: a drift in the machine's speed, which moves a whole row's TTFT by milliseconds here, then
     hits every path's request of a round alike. Each follows a warm-up request on its path (closed-loop, as one
-    stream's requests follow each other), whose TTFT the row keeps as `idle_ttft_ms`."""
+    stream's requests follow each other), whose TTFT the row keeps as `idle_ttft_ms`. With `trace`, Triton traces
+    the alternated rounds' requests and where each first token's time went inside the server is printed
+    (disagg.bench.first_token_trace)."""
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
@@ -491,7 +501,11 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
     ids = encode_prompt(load_tokenizer(spec.model.path), PROMPT)
     rows, ceilings = [], []
     (out / "server.log").unlink(missing_ok=True)  # TritonServer appends: an earlier run's errors are not this one's
-    with skipped_compute(step_ms), TritonServer(spec.model_repository, log_path=out / "server.log") as server:
+    trace_file = out / "trace.json"
+    trace_file.unlink(missing_ok=True)  # the server writes it as it exits
+    traced = {model: path for model, path in TRACED.items() if path in (*paths, FLOOR)} if trace and alternate else {}
+    with skipped_compute(step_ms), TritonServer(spec.model_repository, log_path=out / "server.log",
+                                                extra_args=first_token_trace.server_args(trace_file) if traced else ()) as server:
         driver = Driver(server.grpc_url, server.internal_key, ids, max_tokens, server.process.pid)
         try:
             rounds = (*paths, FLOOR) if alternate else paths
@@ -521,9 +535,11 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
                       flush=True)
             if alternate:
                 before = first_hop_reading(server.metrics_url)
+                first_token_trace.switch(driver.client, list(traced), on=True)
                 for i in tqdm(range(alternate), desc="alternated rounds", unit="round", disable=None, leave=False):
                     for path in rotated(rounds, i):
                         rows.append(replace(driver.run(path, 1, 0.0, min_requests=1, max_requests=1, warm=1), round=i))
+                first_token_trace.switch(driver.client, list(traced), on=False)
                 line = first_hops(before, first_hop_reading(server.metrics_url), paths)
                 if line:
                     print(line, flush=True)
@@ -531,6 +547,11 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
             raise RuntimeError(f"{exc}; the server's log ({server.log_path}):\n{server.log_excerpt(5)}") from exc
         finally:
             driver.close()
+    if traced:
+        found = first_token_trace.timelines(first_token_trace.read(trace_file), traced, driver.measured_ids)
+        for line in first_token_trace.table(found, DIRECT):
+            print(line, flush=True)
+        (out / "first_token.json").write_text(json.dumps(found, indent=1))
     return rows, ceilings
 
 
@@ -782,6 +803,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ceiling-client", choices=sorted(CEILING_PATHS), default="perf_analyzer",
                    help="what drives the ceiling rounds: perf_analyzer (default; tools/install_perf_analyzer.sh), whose "
                         f"bound is {ENGINE_DIRECT} called directly, or this bench's Python client, whose bound is {DIRECT}")
+    p.add_argument("--trace", action="store_true",
+                   help="Triton traces the alternated rounds' requests, and where each first token's time goes inside the "
+                        "server is printed per path and saved to <out>/first_token.json")
     args = p.parse_args(argv)
     levels = tuple(int(x) for x in args.levels.split(","))
     step = f"{args.step_ms:g} ms per engine step" if args.step_ms else "engine steps as fast as they go"
@@ -794,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, ceilings = measure(args.config, args.out, levels, args.seconds, args.max_tokens, args.step_ms, args.coalesce_backlog,
                              min_requests=args.min_requests, alternate=args.alternate, ceiling_rounds=args.ceiling_rounds,
                              engine_peak=lambda: engine_ceiling(Path("build"), CEILING_BATCHES), coalesced_bls=args.coalesced_bls,
-                             ceiling_client=args.ceiling_client)
+                             ceiling_client=args.ceiling_client, trace=args.trace)
     for line in summary(rows, ceilings):
         print(line)
     saved = args.out / "front.json"
