@@ -9,6 +9,10 @@ import pytest
 from disagg.bench.first_token_trace import SEGMENTS, read, table, timelines
 
 MS = 1_000_000  # ns
+T = 10_000 * MS
+# the client's times (seconds) of the requests it measured: 7 to prefill, 8 to the BLS (6, a warm-up, is not one)
+MEASURED = {"7": ((T - MS // 10) / 1e9, (T + 21 * MS + MS // 5 + 3 * MS // 10) / 1e9),
+            "8": ((T + 100 * MS - MS // 5) / 1e9, (T + 125 * MS + MS // 4 + 3 * MS // 20) / 1e9)}
 
 
 def _records(trace_id: int, model: str, request_id: str, **stamps) -> list[dict]:
@@ -30,7 +34,7 @@ def _hop(trace_id: int, request_id: str, t: int) -> list[dict]:
 
 @pytest.fixture
 def trace_file(tmp_path):
-    t = 10_000 * MS
+    t = T
     records = [
         *_records(1, "prefill", "7", GRPC_WAITREAD_END=t, COMPUTE_START=t + MS // 5, INFER_RESPONSE_COMPLETE=t + 21 * MS,
                   GRPC_SEND_END=t + 21 * MS + MS // 5),  # the direct path: the client's request 7 to prefill
@@ -50,25 +54,31 @@ def test_each_measured_request_s_first_token_is_split_at_triton_s_own_stamps(tra
     assert {(t.model, t.request_id) for t in traces} == {("prefill", "7"), ("tensorrt_llm_bls", "8"), ("prefill", "a1b2"),
                                                          ("prefill", "a1b3"), ("tensorrt_llm_bls", "6"), ("prefill", "a1b4")}
     assert "HTTP_SEND_START" not in next(t for t in traces if t.request_id == "a1b2").stamps  # a stamp never taken (0)
-    found = timelines(traces, {"tensorrt_llm_bls": "bls", "prefill": "direct"}, measured={"7", "8"})
-    assert found["direct"] == [pytest.approx({"server in": 0.2, "engine": 20.8, "server out": 0.2})]
-    assert found["bls"] == [pytest.approx({"server in": 0.1, "into the stub": 0.1, "stub, to its hop": 0.8, "hop in": 0.5,
-                                           "engine": 20.0, "answer back": 3.5, "server out": 0.25})]
+    found = timelines(traces, {"tensorrt_llm_bls": "bls", "prefill": "direct"}, MEASURED)
+    assert found["direct"] == [pytest.approx({"client to server": 0.1, "server in": 0.2, "engine": 20.8, "server out": 0.2,
+                                              "server to client": 0.3})]
+    assert found["bls"] == [pytest.approx({"client to server": 0.2, "server in": 0.1, "into the stub": 0.1, "stub, to its hop": 0.8,
+                                           "hop in": 0.5, "engine": 20.0, "answer back": 3.5, "server out": 0.25,
+                                           "server to client": 0.15})]
+    # the segments add up to the TTFT the client saw
+    for path, request in (("direct", "7"), ("bls", "8")):
+        assert sum(found[path][0].values()) == pytest.approx((MEASURED[request][1] - MEASURED[request][0]) * 1e3)
     assert list(found["bls"][0]) == list(SEGMENTS)
 
 
 def test_a_front_request_without_its_hop_is_left_out(trace_file):
     traces = [t for t in read(trace_file) if t.request_id != "a1b2"]  # the next hop came after its first token
-    assert timelines(traces, {"tensorrt_llm_bls": "bls", "prefill": "direct"}, measured={"7", "8"}).keys() == {"direct"}
+    assert timelines(traces, {"tensorrt_llm_bls": "bls", "prefill": "direct"}, MEASURED).keys() == {"direct"}
 
 
 def test_the_table_gives_each_segment_and_the_server_s_share_against_the_direct_path(trace_file):
-    found = timelines(read(trace_file), {"tensorrt_llm_bls": "bls", "prefill": "direct"}, measured={"7", "8"})
+    found = timelines(read(trace_file), {"tensorrt_llm_bls": "bls", "prefill": "direct"}, MEASURED)
     lines = table(found, "direct")
-    assert lines[0].startswith("  where the first token's time goes inside the server")
-    assert lines[1].split() == ["path", "requests", "server", "in", "into", "the", "stub", "stub,", "to", "its", "hop", "hop", "in",
-                                "engine", "answer", "back", "server", "out", "in", "the", "server"]
-    assert lines[2].split() == ["direct", "1", "0.200", "-", "-", "-", "20.800", "-", "0.200", "21.200"]
-    assert lines[3].split() == ["bls", "1", "0.100", "0.100", "0.800", "0.500", "20.000", "3.500", "0.250", "25.250", "(+4.050",
-                                "over", "direct)"]
+    assert lines[0].startswith("  where the first token's time goes (Triton's request traces of the alternated rounds")
+    assert lines[1].split() == ["path", "requests", "client", "to", "server", "server", "in", "into", "the", "stub", "stub,", "to",
+                                "its", "hop", "hop", "in", "engine", "answer", "back", "server", "out", "server", "to", "client",
+                                "in", "the", "server", "TTFT"]
+    assert lines[2].split() == ["direct", "1", "0.100", "0.200", "-", "-", "-", "20.800", "-", "0.200", "0.300", "21.200", "21.600"]
+    assert lines[3].split() == ["bls", "1", "0.200", "0.100", "0.100", "0.800", "0.500", "20.000", "3.500", "0.250", "0.150",
+                                "25.250", "(+4.050)", "25.600", "(+4.000)"]
     assert table({}, "direct") == []

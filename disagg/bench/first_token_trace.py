@@ -12,10 +12,12 @@ instrumented: the front's own share is the time between two of Triton's stamps.
 The Python backend (python_backend r24.10, src/python_be.cc `ProcessRequests`) reports COMPUTE_START before it
 copies a request into shared memory and COMPUTE_INPUT_END once it has, as it signals the stub.
 
-A front's first token, in seven segments (a path that calls prefill directly has only the first, the
-engine's and the last):
+The bench's client times its requests on the same clock as Triton's stamps (CLOCK_MONOTONIC: Python's
+perf_counter, C++'s steady_clock), so the segments add up to the TTFT it saw. A front's first token, in nine
+segments (a path that calls prefill directly has only the first two, the engine's and the last two):
 
-    server in          gRPC read -> the front model's instance has the request (Triton's queue)
+    client to server   the client's send -> the server has read the request off the gRPC stream
+    server in          -> the front model's instance has it (Triton's queue)
     into the stub      -> the Python backend has copied it into shared memory for the stub
     stub, to its hop   -> the hop's request read by the engine server's HTTP frontend: the stub woken, its
                        execute (inputs, validating, tokenizing, routing), the connect and the send
@@ -24,6 +26,7 @@ engine's and the last):
     answer back        -> the front's first response at its own frontend: the HTTP answer written and read,
                        parsed, detokenized, and sent through the Python backend
     server out         -> written to the client's stream
+    server to client   -> the client's callback has it
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from pathlib import Path
 import numpy as np
 
 ENGINE = "prefill"  # the engine every front's first hop reaches, and the direct path's first request
-SEGMENTS = ("server in", "into the stub", "stub, to its hop", "hop in", "engine", "answer back", "server out")
+SEGMENTS = ("client to server", "server in", "into the stub", "stub, to its hop", "hop in", "engine", "answer back", "server out",
+            "server to client")
+SERVER = SEGMENTS[1:-1]  # the segments inside the server
 
 
 def server_args(trace_file: Path) -> list[str]:
@@ -87,15 +92,21 @@ def _ms(start: int | None, end: int | None) -> float | None:
     return None if start is None or end is None or end < start else (end - start) / 1e6
 
 
-def direct_timeline(trace: Trace) -> dict[str, float] | None:
-    """The segments of a request sent to the engine by the client itself."""
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def direct_timeline(trace: Trace, client: tuple[float, float]) -> dict[str, float] | None:
+    """The segments of a request sent to the engine by the client itself; `client`: when the client sent it and
+    had its first token (seconds)."""
     read_at, start, first = trace.at("GRPC_WAITREAD_END"), trace.at("COMPUTE_START"), trace.at("INFER_RESPONSE_COMPLETE")
-    sent = None if first is None else trace.after("GRPC_SEND_END", first)
-    segments = {"server in": _ms(read_at, start), "engine": _ms(start, first), "server out": _ms(first, sent)}
+    written = None if first is None else trace.after("GRPC_SEND_END", first)
+    segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start), "engine": _ms(start, first),
+                "server out": _ms(first, written), "server to client": _ms(written, _ns(client[1]))}
     return None if None in segments.values() else segments
 
 
-def front_timeline(front: Trace, hops: list[Trace]) -> dict[str, float] | None:
+def front_timeline(front: Trace, hops: list[Trace], client: tuple[float, float]) -> dict[str, float] | None:
     """The segments of a request to a front model, whose hop is the first of `hops` (prefill's requests received
     over HTTP) that arrived while the front held it: one request at a time, there is no other."""
     read_at, start, first = front.at("GRPC_WAITREAD_END"), front.at("COMPUTE_START"), front.at("INFER_RESPONSE_COMPLETE")
@@ -106,40 +117,46 @@ def front_timeline(front: Trace, hops: list[Trace]) -> dict[str, float] | None:
     if hop is None:
         return None
     received, hop_start, hop_first = hop.at("HTTP_RECV_START"), hop.at("COMPUTE_START"), hop.at("INFER_RESPONSE_COMPLETE")
-    handed = front.at("COMPUTE_INPUT_END")
-    segments = {"server in": _ms(read_at, start), "into the stub": _ms(start, handed), "stub, to its hop": _ms(handed, received),
+    handed, written = front.at("COMPUTE_INPUT_END"), front.after("GRPC_SEND_END", first)
+    segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start), "into the stub": _ms(start, handed), "stub, to its hop": _ms(handed, received),
                 "hop in": _ms(received, hop_start),
                 "engine": _ms(hop_start, hop_first), "answer back": _ms(hop_first, first),
-                "server out": _ms(first, front.after("GRPC_SEND_END", first))}
+                "server out": _ms(first, written), "server to client": _ms(written, _ns(client[1]))}
     return None if None in segments.values() else segments
 
 
-def timelines(traces: list[Trace], paths: dict[str, str], measured: set[str]) -> dict[str, list[dict[str, float]]]:
+def timelines(traces: list[Trace], paths: dict[str, str], measured: dict[str, tuple[float, float]]) -> dict[str, list[dict[str, float]]]:
     """{path: its measured requests' segments}. `paths` maps each traced front model (or ENGINE, for the direct
-    path) to the path it serves; `measured`: the client's request ids to count (not warm-ups)."""
+    path) to the path it serves; `measured`: the client's requests to count (not warm-ups), by id, each with
+    when it was sent and its first token came."""
     hops = [t for t in traces if t.model == ENGINE and "HTTP_RECV_START" in t.stamps]
     found: dict[str, list[dict[str, float]]] = {}
     for trace in traces:
         if trace.request_id not in measured or trace.model not in paths:
             continue
-        segments = direct_timeline(trace) if trace.model == ENGINE else front_timeline(trace, hops)
+        client = measured[trace.request_id]
+        segments = direct_timeline(trace, client) if trace.model == ENGINE else front_timeline(trace, hops, client)
         if segments is not None:
             found.setdefault(paths[trace.model], []).append(segments)
     return found
 
 
 def table(found: dict[str, list[dict[str, float]]], direct: str) -> list[str]:
-    """p50 of each segment per path, and the server's whole share (sum of the segments, p50 over requests)
-    against the direct path's."""
+    """p50 of each segment per path, then of the server's share (the segments inside it) and of the whole (the
+    TTFT the client saw), each against the direct path's."""
     if not found:
         return []
-    header = "".join(f"{s:>18}" for s in (*SEGMENTS, "in the server"))
-    lines = ["  where the first token's time goes inside the server (Triton's request traces of the alternated rounds; "
-             "p50 ms per segment, then of their sum):", f"    {'path':<28}{'requests':>9}{header}"]
-    whole = {path: float(np.median([sum(s.values()) for s in segments])) for path, segments in found.items()}
-    for path, segments in sorted(found.items(), key=lambda item: whole[item[0]]):
+    header = "".join(f"{s:>18}" for s in (*SEGMENTS, "in the server", "TTFT"))
+    lines = ["  where the first token's time goes (Triton's request traces of the alternated rounds, the client's times; "
+             "p50 ms per segment, then of the server's part and of the whole, with what each adds to the direct path's):",
+             f"    {'path':<28}{'requests':>9}{header}"]
+    sums = {path: (float(np.median([sum(s[n] for n in SERVER if n in s) for s in segments])),
+                   float(np.median([sum(s.values()) for s in segments]))) for path, segments in found.items()}
+    for path, segments in sorted(found.items(), key=lambda item: sums[item[0]][1]):
         cells = "".join(f"{np.median([s[name] for s in segments]):>18.3f}" if name in segments[0] else f"{'-':>18}"
                         for name in SEGMENTS)
-        added = f" ({whole[path] - whole[direct]:+.3f} over {direct})" if direct in whole and path != direct else ""
-        lines.append(f"    {path:<28}{len(segments):>9}{cells}{whole[path]:>18.3f}{added}")
+        for i, total in enumerate(sums[path]):
+            added = f" ({total - sums[direct][i]:+.3f})" if direct in sums and path != direct else ""
+            cells += f"{f'{total:.3f}{added}':>18}"
+        lines.append(f"    {path:<28}{len(segments):>9}{cells}")
     return lines

@@ -284,7 +284,9 @@ class Driver:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._count = 0
-        self.measured_ids: set[str] = set()  # of every request measured so far, for their traces (`--trace`)
+        # every request measured so far: when it was sent and its first token came (perf_counter, CLOCK_MONOTONIC as
+        # Triton's trace stamps), for their traces (`--trace`)
+        self.first_tokens: dict[str, tuple[float, float]] = {}
         self._reset("ensemble", 0.0)
 
     def _reset(self, path: str, until: float, max_requests: int | None = None, warm: int = 0) -> None:
@@ -411,7 +413,7 @@ class Driver:
             self.idle_ttfts.append(flight.stamps[0] - flight.sent)
         elif not failed and flight.stamps and flight.sent >= self.window[0]:
             self.ttfts.append(flight.stamps[0] - flight.sent)
-            self.measured_ids.add(request_id)
+            self.first_tokens[request_id] = (flight.sent, flight.stamps[0])
             if len(flight.stamps) > 1:
                 self.gaps.append(float(np.mean(np.diff(flight.stamps))))
                 self.per_token.append(flight.per_token_s())
@@ -548,7 +550,7 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
         finally:
             driver.close()
     if traced:
-        found = first_token_trace.timelines(first_token_trace.read(trace_file), traced, driver.measured_ids)
+        found = first_token_trace.timelines(first_token_trace.read(trace_file), traced, driver.first_tokens)
         for line in first_token_trace.table(found, DIRECT):
             print(line, flush=True)
         (out / "first_token.json").write_text(json.dumps(found, indent=1))
