@@ -23,8 +23,8 @@ def _records(trace_id: int, model: str, request_id: str, **stamps) -> list[dict]
 
 def _front(trace_id: int, model: str, request_id: str, t: int) -> list[dict]:
     return _records(trace_id, model, request_id, GRPC_WAITREAD_END=t, COMPUTE_START=t + MS // 10,
-                    COMPUTE_INPUT_END=t + MS // 5, INFER_RESPONSE_COMPLETE=t + 25 * MS, GRPC_SEND_START=t + 25 * MS + 1,
-                    GRPC_SEND_END=t + 25 * MS + MS // 4)
+                    COMPUTE_INPUT_END=t + MS // 5, INFER_RESPONSE_COMPLETE=t + 25 * MS, GRPC_SEND_START=t + 25 * MS + MS // 4,
+                    GRPC_SEND_END=t + 25 * MS + MS // 2)  # gRPC reported the write after the client had it
 
 
 def _hop(trace_id: int, request_id: str, t: int) -> list[dict]:
@@ -37,7 +37,7 @@ def trace_file(tmp_path):
     t = T
     records = [
         *_records(1, "prefill", "7", GRPC_WAITREAD_END=t, COMPUTE_START=t + MS // 5, INFER_RESPONSE_COMPLETE=t + 21 * MS,
-                  GRPC_SEND_END=t + 21 * MS + MS // 5),  # the direct path: the client's request 7 to prefill
+                  GRPC_SEND_START=t + 21 * MS + MS // 5, GRPC_SEND_END=t + 21 * MS + MS // 4),  # the direct path: request 7
         *_front(2, "tensorrt_llm_bls", "8", t + 100 * MS),
         *_hop(3, "a1b2", t + 101 * MS),  # its hop, 0.9 ms after the stub had it
         *_hop(4, "a1b3", t + 200 * MS),  # another front's request's hop, long after

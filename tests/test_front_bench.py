@@ -320,3 +320,13 @@ def test_a_bench_commands_help_is_its_own(command, flag, capsys):
     assert exited.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: python -m disagg.bench {command} ") and flag in out
+
+
+def test_trace_without_alternated_rounds_is_refused_before_any_work(tmp_path, capsys):
+    from disagg.bench.front import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--trace", "--alternate", "0", "--out", str(tmp_path / "front")])
+    assert exited.value.code == 2
+    assert "--trace traces the alternated rounds: give --alternate 1 or more" in capsys.readouterr().err
+    assert not (tmp_path / "front").exists()

@@ -5,7 +5,9 @@ level OFF, turns TIMESTAMPS on for the alternated rounds (`switch`), and reads t
 it exits (`read`). Triton 2.51 stamps (server src/tracer.cc, src/grpc/stream_infer_handler.cc,
 src/http_server.cc): a request read off a gRPC stream (GRPC_WAITREAD_END), taken by the model's instance
 (COMPUTE_START), its first response handed back to the frontend (INFER_RESPONSE_COMPLETE, once per request on
-a gRPC stream, per response over HTTP) and each response written to the client (GRPC_SEND_END); a request
+a gRPC stream, per response over HTTP) and each response's write to the client begun (GRPC_SEND_START; its
+GRPC_SEND_END comes when gRPC's completion queue reports the write, at times after the client already has
+it); a request
 received over HTTP, as the fronts' hops to prefill are, starts at HTTP_RECV_START. Nothing of ours is
 instrumented: the front's own share is the time between two of Triton's stamps.
 
@@ -25,8 +27,8 @@ segments (a path that calls prefill directly has only the first two, the engine'
     engine             -> prefill's first response back at its frontend (the engine's step)
     answer back        -> the front's first response at its own frontend: the HTTP answer written and read,
                        parsed, detokenized, and sent through the Python backend
-    server out         -> written to the client's stream
-    server to client   -> the client's callback has it
+    server out         -> its write to the client's stream begins
+    server to client   -> the client's callback has it (the write, the client's gRPC)
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ def direct_timeline(trace: Trace, client: tuple[float, float]) -> dict[str, floa
     """The segments of a request sent to the engine by the client itself; `client`: when the client sent it and
     had its first token (seconds)."""
     read_at, start, first = trace.at("GRPC_WAITREAD_END"), trace.at("COMPUTE_START"), trace.at("INFER_RESPONSE_COMPLETE")
-    written = None if first is None else trace.after("GRPC_SEND_END", first)
+    written = None if first is None else trace.after("GRPC_SEND_START", first)
     segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start), "engine": _ms(start, first),
                 "server out": _ms(first, written), "server to client": _ms(written, _ns(client[1]))}
     return None if None in segments.values() else segments
@@ -117,7 +119,7 @@ def front_timeline(front: Trace, hops: list[Trace], client: tuple[float, float])
     if hop is None:
         return None
     received, hop_start, hop_first = hop.at("HTTP_RECV_START"), hop.at("COMPUTE_START"), hop.at("INFER_RESPONSE_COMPLETE")
-    handed, written = front.at("COMPUTE_INPUT_END"), front.after("GRPC_SEND_END", first)
+    handed, written = front.at("COMPUTE_INPUT_END"), front.after("GRPC_SEND_START", first)
     segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start), "into the stub": _ms(start, handed), "stub, to its hop": _ms(handed, received),
                 "hop in": _ms(received, hop_start),
                 "engine": _ms(hop_start, hop_first), "answer back": _ms(hop_first, first),

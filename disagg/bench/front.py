@@ -809,6 +809,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Triton traces the alternated rounds' requests, and where each first token's time goes inside the "
                         "server is printed per path and saved to <out>/first_token.json")
     args = p.parse_args(argv)
+    if args.trace and not args.alternate:
+        p.error("--trace traces the alternated rounds: give --alternate 1 or more")
     levels = tuple(int(x) for x in args.levels.split(","))
     step = f"{args.step_ms:g} ms per engine step" if args.step_ms else "engine steps as fast as they go"
     if args.coalesce_backlog:
