@@ -1,15 +1,15 @@
-"""Where a first token's time goes inside the server, read from Triton's own request traces.
+"""Where a first token's time goes, read from Triton's own request traces and the client's times.
 
 `python -m disagg.bench front --trace` starts tritonserver with Triton's trace mode on file and every model's
 level OFF, turns TIMESTAMPS on for the alternated rounds (`switch`), and reads the file the server writes as
 it exits (`read`). Triton 2.51 stamps (server src/tracer.cc, src/grpc/stream_infer_handler.cc,
 src/http_server.cc): a request read off a gRPC stream (GRPC_WAITREAD_END), taken by the model's instance
 (COMPUTE_START), its first response handed back to the frontend (INFER_RESPONSE_COMPLETE, once per request on
-a gRPC stream, per response over HTTP) and each response's write to the client begun (GRPC_SEND_START; its
-GRPC_SEND_END comes when gRPC's completion queue reports the write, at times after the client already has
-it); a request
-received over HTTP, as the fronts' hops to prefill are, starts at HTTP_RECV_START. Nothing of ours is
-instrumented: the front's own share is the time between two of Triton's stamps.
+a gRPC stream, per response over HTTP) and each response's write to the client begun (GRPC_SEND_START; the
+GRPC_SEND_END after it comes when gRPC's completion queue reports the write, at times after the client already
+has the response). A request received over HTTP, as the fronts' hops to prefill are, starts at
+HTTP_RECV_START. Nothing of ours is instrumented: the front's own share is the time between two of Triton's
+stamps.
 
 The Python backend (python_backend r24.10, src/python_be.cc `ProcessRequests`) reports COMPUTE_START before it
 copies a request into shared memory and COMPUTE_INPUT_END once it has, as it signals the stub.
@@ -120,10 +120,10 @@ def front_timeline(front: Trace, hops: list[Trace], client: tuple[float, float])
         return None
     received, hop_start, hop_first = hop.at("HTTP_RECV_START"), hop.at("COMPUTE_START"), hop.at("INFER_RESPONSE_COMPLETE")
     handed, written = front.at("COMPUTE_INPUT_END"), front.after("GRPC_SEND_START", first)
-    segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start), "into the stub": _ms(start, handed), "stub, to its hop": _ms(handed, received),
-                "hop in": _ms(received, hop_start),
-                "engine": _ms(hop_start, hop_first), "answer back": _ms(hop_first, first),
-                "server out": _ms(first, written), "server to client": _ms(written, _ns(client[1]))}
+    segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start),
+                "into the stub": _ms(start, handed), "stub, to its hop": _ms(handed, received), "hop in": _ms(received, hop_start),
+                "engine": _ms(hop_start, hop_first), "answer back": _ms(hop_first, first), "server out": _ms(first, written),
+                "server to client": _ms(written, _ns(client[1]))}
     return None if None in segments.values() else segments
 
 

@@ -49,9 +49,9 @@ docs/measurements.md), which the engines, serving every path, never do. That war
 add here, and how much is its own; so does each front model's `disagg_first_hop_seconds` over those rounds (a
 request's arrival in it -> its first engine request sent: validating, tokenizing, routing, the send), printed
 after them. With `--trace`, Triton traces those rounds' requests (tensorrt_llm_bls, the coalescing BLS,
-front_floor and prefill) and the summary says where each path's first token spent its time inside the server,
-segment by segment between Triton's own stamps (disagg.bench.first_token_trace): what any Python model and HTTP
-hop cost there, against what the front's own code does. The summary ends with each text front against the front's targets (TTFT added
+front_floor and prefill), and where each path's first token spent its time is printed segment by segment,
+between Triton's own stamps and the client's times (disagg.bench.first_token_trace): what any Python model and
+HTTP hop cost, against what the front's own code does. The summary ends with each text front against the front's targets (TTFT added
 <= 1.5 ms and time per token <= 0.1 ms at one stream, from the alternated rounds; 3x the engine's peak in every
 ceiling round), a line each, and the bounds this machine sets them: front_floor's TTFT and the engines called
 directly in the ceiling rounds.
@@ -105,7 +105,7 @@ FRONTS = ("ensemble", "tensorrt_llm_bls")  # a built repository's text fronts th
 CEILING_PATHS = {"perf_analyzer": (*FRONTS, COALESCED, ENGINE_DIRECT), "python": (*FRONTS, COALESCED, DIRECT)}
 BOUNDS = (DIRECT, ENGINE_DIRECT)
 ENGINE = "computing decode engine"  # the engine's turn in a ceiling round
-# The models whose requests `--trace` has Triton trace, and the path each one's serve: the fronts that hop to
+# The models whose requests `--trace` has Triton trace, and the path each serves: the fronts that hop to
 # prefill over HTTP, and prefill, which the direct path calls first (disagg.bench.first_token_trace).
 TRACED = {"tensorrt_llm_bls": "tensorrt_llm_bls", COALESCED: COALESCED, FLOOR: FLOOR, first_token_trace.ENGINE: DIRECT}
 FIRST_HOP = "disagg_first_hop_seconds"  # an orchestrator's time from a request's arrival to its first engine request
@@ -486,8 +486,8 @@ def measure(config: Path, out: Path, levels: tuple[int, ...], seconds: float, ma
     with its `round`: a drift in the machine's speed, which moves a whole row's TTFT by milliseconds here, then
     hits every path's request of a round alike. Each follows a warm-up request on its path (closed-loop, as one
     stream's requests follow each other), whose TTFT the row keeps as `idle_ttft_ms`. With `trace`, Triton traces
-    the alternated rounds' requests and where each first token's time went inside the server is printed
-    (disagg.bench.first_token_trace)."""
+    the alternated rounds' requests, and where each first token's time went is printed and saved to
+    `<out>/first_token.json` (disagg.bench.first_token_trace)."""
     from disagg.cli import build
     from disagg.serve.server import TritonServer
     from disagg.text import encode_prompt, load_tokenizer
@@ -806,8 +806,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="what drives the ceiling rounds: perf_analyzer (default; tools/install_perf_analyzer.sh), whose "
                         f"bound is {ENGINE_DIRECT} called directly, or this bench's Python client, whose bound is {DIRECT}")
     p.add_argument("--trace", action="store_true",
-                   help="Triton traces the alternated rounds' requests, and where each first token's time goes inside the "
-                        "server is printed per path and saved to <out>/first_token.json")
+                   help="Triton traces the alternated rounds' requests, and where each first token's time goes is printed "
+                        "per path, segment by segment, and saved to <out>/first_token.json")
     args = p.parse_args(argv)
     if args.trace and not args.alternate:
         p.error("--trace traces the alternated rounds: give --alternate 1 or more")
