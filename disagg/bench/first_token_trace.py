@@ -98,20 +98,26 @@ def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-def direct_timeline(trace: Trace, client: tuple[float, float]) -> dict[str, float] | None:
-    """The segments of a request sent to the engine by the client itself; `client`: when the client sent it and
-    had its first token (seconds)."""
+def _around(trace: Trace, client: tuple[float, float], inside: dict[str, float | None]) -> dict[str, float] | None:
+    """`inside` (from the instance having the request to its first response back at the frontend) between the
+    segments every path has: the client's send to the instance, the first response to the client's callback.
+    `client`: when the client sent the request and had its first token (seconds). None if a stamp is missing."""
     read_at, start, first = trace.at("GRPC_WAITREAD_END"), trace.at("COMPUTE_START"), trace.at("INFER_RESPONSE_COMPLETE")
     written = None if first is None else trace.after("GRPC_SEND_START", first)
-    segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start), "engine": _ms(start, first),
+    segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start), **inside,
                 "server out": _ms(first, written), "server to client": _ms(written, _ns(client[1]))}
     return None if None in segments.values() else segments
+
+
+def direct_timeline(trace: Trace, client: tuple[float, float]) -> dict[str, float] | None:
+    """The segments of a request sent to the engine by the client itself."""
+    return _around(trace, client, {"engine": _ms(trace.at("COMPUTE_START"), trace.at("INFER_RESPONSE_COMPLETE"))})
 
 
 def front_timeline(front: Trace, hops: list[Trace], client: tuple[float, float]) -> dict[str, float] | None:
     """The segments of a request to a front model, whose hop is the first of `hops` (prefill's requests received
     over HTTP) that arrived while the front held it: one request at a time, there is no other."""
-    read_at, start, first = front.at("GRPC_WAITREAD_END"), front.at("COMPUTE_START"), front.at("INFER_RESPONSE_COMPLETE")
+    start, first = front.at("COMPUTE_START"), front.at("INFER_RESPONSE_COMPLETE")
     if None in (start, first):
         return None
     hop = min((h for h in hops if start <= (h.at("HTTP_RECV_START") or 0) <= first), key=lambda h: h.at("HTTP_RECV_START"),
@@ -119,12 +125,10 @@ def front_timeline(front: Trace, hops: list[Trace], client: tuple[float, float])
     if hop is None:
         return None
     received, hop_start, hop_first = hop.at("HTTP_RECV_START"), hop.at("COMPUTE_START"), hop.at("INFER_RESPONSE_COMPLETE")
-    handed, written = front.at("COMPUTE_INPUT_END"), front.after("GRPC_SEND_START", first)
-    segments = {"client to server": _ms(_ns(client[0]), read_at), "server in": _ms(read_at, start),
-                "into the stub": _ms(start, handed), "stub, to its hop": _ms(handed, received), "hop in": _ms(received, hop_start),
-                "engine": _ms(hop_start, hop_first), "answer back": _ms(hop_first, first), "server out": _ms(first, written),
-                "server to client": _ms(written, _ns(client[1]))}
-    return None if None in segments.values() else segments
+    handed = front.at("COMPUTE_INPUT_END")
+    return _around(front, client, {"into the stub": _ms(start, handed), "stub, to its hop": _ms(handed, received),
+                                   "hop in": _ms(received, hop_start), "engine": _ms(hop_start, hop_first),
+                                   "answer back": _ms(hop_first, first)})
 
 
 def timelines(traces: list[Trace], paths: dict[str, str], measured: dict[str, tuple[float, float]]) -> dict[str, list[dict[str, float]]]:
